@@ -1,0 +1,75 @@
+"""An opened Vulkan device: logical device, one compute queue, pools, and the process default."""
+from __future__ import annotations
+
+import sys
+
+import vulkan as vk
+
+from .device import DeviceInfo, instance, select
+from .errors import VulkanError, vkcall
+
+
+class Device:
+    """Logical device with one compute queue. Kernels and buffers are created against it."""
+
+    def __init__(self, info: DeviceInfo):
+        self.info, self.limits = info, info.limits
+        pd = info.handle
+        families = vk.vkGetPhysicalDeviceQueueFamilyProperties(pd)
+        # Prefer a compute-only family (async compute on GPUs); any compute family will do.
+        compute = [i for i, f in enumerate(families) if f.queueFlags & vk.VK_QUEUE_COMPUTE_BIT]
+        if not compute:
+            raise VulkanError("vkGetPhysicalDeviceQueueFamilyProperties", "no compute queue",
+                              f"{info.describe()} exposes no compute-capable queue family")
+        only = [i for i in compute if not families[i].queueFlags & vk.VK_QUEUE_GRAPHICS_BIT]
+        self.queue_family = (only or compute)[0]
+        qinfo = vk.VkDeviceQueueCreateInfo(queueFamilyIndex=self.queue_family, queueCount=1,
+                                          pQueuePriorities=[1.0])
+        # Ask only for the optional features the device has; kernels check self.limits first.
+        s16 = vk.VkPhysicalDevice16BitStorageFeatures(storageBuffer16BitAccess=int(info.limits.storage16))
+        f16 = vk.VkPhysicalDeviceShaderFloat16Int8Features(
+            pNext=s16, shaderFloat16=int(info.limits.float16), shaderInt8=int(info.limits.int8))
+        s8 = vk.VkPhysicalDevice8BitStorageFeatures(pNext=f16, storageBuffer8BitAccess=int(info.limits.int8))
+        create = vk.VkDeviceCreateInfo(pNext=s8, queueCreateInfoCount=1, pQueueCreateInfos=[qinfo])
+        self.handle = vkcall(vk.vkCreateDevice, pd, create, None)
+        self.queue = vk.vkGetDeviceQueue(self.handle, self.queue_family, 0)
+        self.command_pool = vkcall(vk.vkCreateCommandPool, self.handle, vk.VkCommandPoolCreateInfo(
+            flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT, queueFamilyIndex=self.queue_family), None)
+        self.memory_properties = vk.vkGetPhysicalDeviceMemoryProperties(pd)
+        self.kernels = {}          # pipeline cache: (spirv digest, binding count, push size) -> Kernel
+        self.allocated_bytes = 0   # live device memory, for memory-honesty reports
+        self.peak_bytes = 0
+
+    @property
+    def unified_memory(self) -> bool:
+        return self.info.host_visible_device_local
+
+    def wait_idle(self):
+        vkcall(vk.vkDeviceWaitIdle, self.handle)
+
+    def __repr__(self):
+        return f"Device({self.info.describe()})"
+
+
+_default: Device | None = None
+
+
+def open_device(spec=None, announce: bool = False) -> Device:
+    """Open (once per process) the device named by spec / $VKDSL_DEVICE / the best present."""
+    global _default
+    if _default is not None and spec is None:
+        return _default
+    info = select(spec)
+    if _default is not None and _default.info.index == info.index:
+        return _default
+    if _default is not None:
+        raise RuntimeError(f"vkdsl already runs on {_default.info.describe()}; one device per process")
+    instance()
+    _default = Device(info)
+    if announce:
+        print(f"vkdsl: using {info.describe()}", file=sys.stderr)
+    return _default
+
+
+def default_device() -> Device:
+    return open_device(None)

@@ -1,0 +1,129 @@
+"""Find Vulkan devices, describe them, and open the one the user asked for."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import vulkan as vk
+
+from .errors import DeviceNotFound, vkcall
+
+_TYPE_NAMES = {vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "discrete",
+               vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: "integrated",
+               vk.VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: "virtual",
+               vk.VK_PHYSICAL_DEVICE_TYPE_CPU: "cpu",
+               vk.VK_PHYSICAL_DEVICE_TYPE_OTHER: "other"}
+# Default preference when the user names no device: real GPUs first, the CPU driver last.
+_PREFERENCE = ["discrete", "integrated", "virtual", "other", "cpu"]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_storage_buffer_range: int
+    max_workgroup_size: tuple[int, int, int]
+    max_workgroup_invocations: int
+    max_workgroup_count: tuple[int, int, int]
+    max_shared_memory: int
+    max_push_constants: int
+    subgroup_size: int
+    float16: bool            # shaderFloat16: arithmetic in f16
+    storage16: bool          # storageBuffer16BitAccess: f16 values in storage buffers
+    int8: bool
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    kind: str                # discrete | integrated | virtual | cpu | other
+    driver: str
+    driver_info: str
+    api_version: str
+    heaps: tuple             # ((bytes, device_local), ...)
+    host_visible_device_local: bool   # can the host map device-local memory directly?
+    limits: Limits
+    handle: object = field(repr=False, compare=False, default=None)
+
+    def describe(self) -> str:
+        return f"[{self.index}] {self.name} ({self.kind}; {self.driver} {self.driver_info})"
+
+
+def _version(v: int) -> str:
+    return f"{v >> 22}.{(v >> 12) & 0x3FF}.{v & 0xFFF}"
+
+
+def _info(index: int, pd) -> DeviceInfo:
+    props = vk.vkGetPhysicalDeviceProperties(pd)
+    sub = vk.VkPhysicalDeviceSubgroupProperties()
+    drv = vk.VkPhysicalDeviceVulkan12Properties(pNext=sub)
+    vk.vkGetPhysicalDeviceProperties2(pd, vk.VkPhysicalDeviceProperties2(pNext=drv))
+    s16 = vk.VkPhysicalDevice16BitStorageFeatures()
+    f16 = vk.VkPhysicalDeviceShaderFloat16Int8Features(pNext=s16)
+    vk.vkGetPhysicalDeviceFeatures2(pd, vk.VkPhysicalDeviceFeatures2(pNext=f16))
+    mem = vk.vkGetPhysicalDeviceMemoryProperties(pd)
+    heaps = tuple((mem.memoryHeaps[i].size, bool(mem.memoryHeaps[i].flags & vk.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT))
+                  for i in range(mem.memoryHeapCount))
+    want = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT | vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT
+    # Unified memory: the largest device-local heap is host-mappable (CPU drivers, integrated
+    # GPUs). A small host-visible window (a discrete GPU's 256 MiB BAR) does not count.
+    big = max(range(mem.memoryHeapCount), key=lambda i: (heaps[i][1], heaps[i][0]))
+    unified = any((mem.memoryTypes[i].propertyFlags & want) == want and mem.memoryTypes[i].heapIndex == big
+                  for i in range(mem.memoryTypeCount))
+    L = props.limits
+    limits = Limits(
+        max_storage_buffer_range=L.maxStorageBufferRange,
+        max_workgroup_size=tuple(L.maxComputeWorkGroupSize),
+        max_workgroup_invocations=L.maxComputeWorkGroupInvocations,
+        max_workgroup_count=tuple(L.maxComputeWorkGroupCount),
+        max_shared_memory=L.maxComputeSharedMemorySize,
+        max_push_constants=L.maxPushConstantsSize,
+        subgroup_size=sub.subgroupSize,
+        float16=bool(f16.shaderFloat16), storage16=bool(s16.storageBuffer16BitAccess),
+        int8=bool(f16.shaderInt8))
+    return DeviceInfo(index=index, name=props.deviceName, kind=_TYPE_NAMES.get(props.deviceType, "other"),
+                      driver=vk.ffi.string(drv.driverName).decode(errors="replace"),
+                      driver_info=vk.ffi.string(drv.driverInfo).decode(errors="replace"),
+                      api_version=_version(props.apiVersion), heaps=heaps,
+                      host_visible_device_local=unified, limits=limits, handle=pd)
+
+
+_instance = None
+
+
+def instance():
+    """The process-wide VkInstance (Vulkan 1.2: we need its driver-properties query)."""
+    global _instance
+    if _instance is None:
+        app = vk.VkApplicationInfo(pApplicationName="vkdsl", applicationVersion=1, pEngineName="vkdsl",
+                                   engineVersion=1, apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
+        _instance = vkcall(vk.vkCreateInstance, vk.VkInstanceCreateInfo(pApplicationInfo=app), None,
+                           detail="is a Vulkan driver installed (mesa-vulkan-drivers for the CPU)?")
+    return _instance
+
+
+def list_devices() -> list[DeviceInfo]:
+    return [_info(i, pd) for i, pd in enumerate(vkcall(vk.vkEnumeratePhysicalDevices, instance()))]
+
+
+def select(spec: str | int | None = None) -> DeviceInfo:
+    """Pick a device by index or name substring; None means $VKDSL_DEVICE, else the best present.
+
+    A device the user asked for that is not there is an error listing what is there:
+    silently falling back to the CPU would hide a broken GPU setup."""
+    devices = list_devices()
+    if not devices:
+        raise DeviceNotFound("no Vulkan device found (install a driver, e.g. mesa-vulkan-drivers)")
+    if spec is None or spec == "":
+        spec = os.environ.get("VKDSL_DEVICE") or None
+    if spec is None:
+        return min(devices, key=lambda d: (_PREFERENCE.index(d.kind), d.index))
+    listing = "\n  ".join(d.describe() for d in devices)
+    s = str(spec).strip()
+    if s.isdigit():
+        if int(s) < len(devices):
+            return devices[int(s)]
+        raise DeviceNotFound(f"device index {s} does not exist; devices present:\n  {listing}")
+    hits = [d for d in devices if s.lower() in d.name.lower() or s.lower() == d.kind]
+    if not hits:
+        raise DeviceNotFound(f"no device matches {s!r}; devices present:\n  {listing}")
+    return hits[0]

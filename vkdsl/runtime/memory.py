@@ -1,0 +1,89 @@
+"""Device buffers. Unified-memory devices (CPU drivers, integrated GPUs) get host-mapped
+device memory; discrete GPUs get device-local memory reached through staging copies."""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import vulkan as vk
+
+from .errors import VulkanError, vkcall
+
+_USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
+          vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+HOST = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
+
+
+def _memory_type(device, type_bits: int, want: int, prefer: int = 0) -> int:
+    mp = device.memory_properties
+    ok = [i for i in range(mp.memoryTypeCount)
+          if type_bits & (1 << i) and (mp.memoryTypes[i].propertyFlags & want) == want]
+    if not ok:
+        raise VulkanError("vkAllocateMemory", "no suitable memory type",
+                          f"{device.info.name} has no memory type with flags {want:#x}")
+    return max(ok, key=lambda i: (mp.memoryTypes[i].propertyFlags & prefer) == prefer)
+
+
+def _release(dev_handle, buf, mem, device, nbytes):
+    vk.vkDestroyBuffer(dev_handle, buf, None)
+    vk.vkFreeMemory(dev_handle, mem, None)
+    device.allocated_bytes -= nbytes
+
+
+class Buffer:
+    """A VkBuffer with its own memory. `host` buffers are mapped for the life of the buffer."""
+
+    def __init__(self, device, nbytes: int, host: bool | None = None, label: str = ""):
+        self.device, self.nbytes, self.label = device, int(nbytes), label
+        self.host = device.unified_memory if host is None else host
+        size = max(self.nbytes, 16)          # Vulkan forbids empty buffers; round tiny ones up
+        if size > device.limits.max_storage_buffer_range and not host:
+            raise ValueError(f"buffer {label or ''} of {size} bytes exceeds the device's "
+                             f"maxStorageBufferRange of {device.limits.max_storage_buffer_range} bytes")
+        h = device.handle
+        self.handle = vkcall(vk.vkCreateBuffer, h, vk.VkBufferCreateInfo(
+            size=size, usage=_USAGE, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)
+        req = vk.vkGetBufferMemoryRequirements(h, self.handle)
+        want = HOST if self.host else LOCAL
+        prefer = (vk.VK_MEMORY_PROPERTY_HOST_CACHED_BIT | LOCAL) if self.host else 0
+        mtype = _memory_type(device, req.memoryTypeBits, want, prefer)
+        self.memory = vkcall(vk.vkAllocateMemory, h, vk.VkMemoryAllocateInfo(
+            allocationSize=req.size, memoryTypeIndex=mtype), None,
+            detail=f"allocating {req.size} bytes for {label or 'a buffer'}")
+        vkcall(vk.vkBindBufferMemory, h, self.handle, self.memory, 0)
+        device.allocated_bytes += req.size
+        device.peak_bytes = max(device.peak_bytes, device.allocated_bytes)
+        self._mapped = vkcall(vk.vkMapMemory, h, self.memory, 0, size, 0) if self.host else None
+        self._finalizer = weakref.finalize(self, _release, h, self.handle, self.memory, device, req.size)
+
+    def view(self, dtype=np.uint8, count: int | None = None) -> np.ndarray:
+        """Zero-copy numpy view of a host-mapped buffer."""
+        if self._mapped is None:
+            raise ValueError("view() needs a host-visible buffer; use read()")
+        return np.frombuffer(self._mapped, dtype=dtype, count=count if count is not None else
+                             self.nbytes // np.dtype(dtype).itemsize)
+
+    def write(self, data: np.ndarray, offset: int = 0):
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if offset + raw.nbytes > self.nbytes:
+            raise ValueError(f"writing {raw.nbytes} bytes at offset {offset} into a {self.nbytes}-byte buffer")
+        if self.host:
+            self.view()[offset:offset + raw.nbytes] = raw
+        else:
+            from .transfer import staged_write
+            staged_write(self, raw, offset)
+
+    def read(self, dtype=np.float32, count: int | None = None) -> np.ndarray:
+        count = self.nbytes // np.dtype(dtype).itemsize if count is None else count
+        if self.host:
+            return self.view(dtype, count).copy()
+        from .transfer import staged_read
+        return staged_read(self, count * np.dtype(dtype).itemsize).view(dtype)
+
+    def free(self):
+        self._mapped = None
+        self._finalizer()
+
+    def __repr__(self):
+        return f"Buffer({self.label or '?'}, {self.nbytes} B, {'host' if self.host else 'device-local'})"
