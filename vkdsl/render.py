@@ -1,0 +1,149 @@
+"""Table-driven GLSL for generated kernels: fused elementwise chains, reductions with a fused
+elementwise prologue, and row gathers. Shapes are baked in (these kernels are small and
+cheap to compile); hand-written kernels (matmul, ...) take shapes as push constants."""
+from __future__ import annotations
+
+import math
+
+CODE_FOR_OP = {
+    "neg": "(-{0})", "exp": "exp({0})", "log": "log({0})", "sqrt": "sqrt({0})", "rsqrt": "inversesqrt({0})",
+    "tanh": "vk_tanh({0})", "recip": "(1.0 / {0})", "sin": "sin({0})", "cos": "cos({0})",
+    "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
+    "max": "vk_max({0}, {1})", "cmplt": "float({0} < {1})", "cmpeq": "float({0} == {1})",
+    "where": "(({0} != 0.0) ? {1} : {2})",
+}
+GLSL_TYPE = {"float32": "float", "int32": "int"}
+# GLSL's tanh overflows to NaN for |x| > ~44 on some drivers; max must propagate NaN like numpy.
+PRELUDE = """float vk_tanh(float x) { float e = exp(-2.0 * abs(x)); return sign(x) * (1.0 - e) / (1.0 + e); }
+float vk_max(float a, float b) { return (isnan(a) || isnan(b)) ? a + b : max(a, b); }
+"""
+REDUCE = {"sum": ("0.0", "{acc} + {x}"), "max": ("-1.0/0.0", "vk_max({acc}, {x})")}
+
+
+def _strides(shape):
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= s
+    return tuple(reversed(st))
+
+
+class Emitter:
+    """Writes the statements for one fused expression; shared subexpressions become temporaries."""
+
+    def __init__(self, leaf_index):
+        self.leaf_index = leaf_index     # id(tensor) -> binding number, for materialized inputs
+        self.lines, self.memo, self.n = [], {}, 0
+
+    def tmp(self, expr, ty="float"):
+        self.n += 1
+        self.lines.append(f"  {ty} t{self.n} = {expr};")
+        return f"t{self.n}"
+
+    def emit(self, t, idx):
+        key = (id(t), tuple(idx))
+        if key in self.memo:
+            return self.memo[key]
+        v = self._emit(t, idx)
+        self.memo[key] = v
+        return v
+
+    def _emit(self, t, idx):
+        if id(t) in self.leaf_index:
+            off = " + ".join(f"{i} * {s}u" for i, s in zip(idx, _strides(t.shape)) if s and i != "0u") or "0u"
+            load = f"b{self.leaf_index[id(t)]}[{off}]"
+            return self.tmp(f"float({load})" if t.dtype == "int32" else load)
+        op = t.op
+        if op == "const":
+            v = t.arg
+            return "(1.0/0.0)" if v == math.inf else "(-1.0/0.0)" if v == -math.inf else \
+                "(0.0/0.0)" if v != v else repr(float(v))
+        if op in CODE_FOR_OP:
+            args = [self.emit(s, idx) for s in t.src]
+            return self.tmp(CODE_FOR_OP[op].format(*args))
+        src = t.src[0]
+        if op == "expand":
+            return self.emit(src, [("0u" if s == 1 and d != 1 else i) for i, s, d in zip(idx, src.shape, t.shape)])
+        if op == "permute":
+            inv = [None] * len(idx)
+            for i, a in enumerate(t.arg):
+                inv[a] = idx[i]
+            return self.emit(src, inv)
+        if op == "slice":
+            return self.emit(src, [i if a == 0 else f"({i} + {a}u)" for i, a in zip(idx, t.arg)])
+        if op == "reshape":
+            return self.emit(src, reshape_index(idx, t.shape, src.shape))
+        raise NotImplementedError(f"cannot fuse op {op} into an elementwise kernel")
+
+
+def reshape_index(idx, new, old):
+    """Map an index of the new shape onto the old one through the flat position."""
+    if [s for s in new if s != 1] == [s for s in old if s != 1]:      # only unit axes move
+        it = iter([i for i, s in zip(idx, new) if s != 1])
+        return ["0u" if s == 1 else next(it) for s in old]
+    flat = " + ".join(f"{i} * {s}u" for i, s in zip(idx, _strides(new)) if s) or "0u"
+    return [f"(({flat}) / {st}u % {s}u)" if s != 1 else "0u" for s, st in zip(old, _strides(old))]
+
+
+def _header(bindings, local=64):
+    """bindings: [(glsl type, name, writeonly?)]."""
+    out = ["#version 450", "layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;"]
+    for i, (ty, wo) in enumerate(bindings):
+        out.append(f"layout(std430, binding = {i}) {'writeonly ' if wo else 'readonly '}buffer B{i} {{ {ty} b{i}[]; }};")
+    return "\n".join(out) + "\n" + PRELUDE
+
+
+def _unflatten(var, shape):
+    return [f"({var} / {st}u % {s}u)" if s != 1 else "0u" for s, st in zip(shape, _strides(shape))]
+
+
+GID = "gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x"
+
+
+def elementwise(node, leaves) -> str:
+    """out[i] = expr(node) for every element; leaves are bound at 1.. in order."""
+    em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)})
+    n = math.prod(node.shape)
+    idx = [f"i{d}" for d in range(len(node.shape))]
+    v = em.emit(node, idx)
+    decl = "".join(f"  uint {name} = {expr};\n" for name, expr in zip(idx, _unflatten("gid", node.shape)))
+    body = "\n".join(em.lines)
+    return (_header([("float", True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) +
+            f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n}u) return;\n{decl}{body}\n  b0[gid] = {v};\n}}\n")
+
+
+def reduction(node, leaves, group: int) -> str:
+    """Reduce node.src[0] (a fused expression) along one axis. group == 1: one invocation per
+    output; group > 1: one workgroup per output, strided loop then a shared-memory tree."""
+    kind, axis = node.arg
+    src = node.src[0]
+    init, comb = REDUCE[kind]
+    em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)})
+    n_out, R = math.prod(node.shape), src.shape[axis]
+    idx = [f"i{d}" for d in range(len(node.shape))]
+    decl = "".join(f"  uint {name} = {expr};\n" for name, expr in zip(idx, _unflatten("o", node.shape)))
+    idx[axis] = "r"
+    v = em.emit(src, idx)
+    body = "\n".join("  " + l for l in em.lines)
+    head = _header([("float", True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves])
+    if group == 1:
+        return head + (f"void main() {{\n  uint o = {GID};\n  if (o >= {n_out}u) return;\n{decl}"
+                       f"  float acc = {init};\n  for (uint r = 0u; r < {R}u; r++) {{\n{body}\n"
+                       f"    acc = {comb.format(acc='acc', x=v)};\n  }}\n  b0[o] = acc;\n}}\n")
+    return head + (f"shared float part[{group}];\n"
+                   f"void main() {{\n  uint o = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;\n"
+                   f"  uint lane = gl_LocalInvocationID.x;\n  bool live = o < {n_out}u;\n  if (!live) o = 0u;\n{decl}"
+                   f"  float acc = {init};\n  for (uint r = lane; r < {R}u; r += {group}u) {{\n{body}\n"
+                   f"    acc = {comb.format(acc='acc', x=v)};\n  }}\n  part[lane] = acc;\n  barrier();\n"
+                   f"  for (uint s = {group // 2}u; s > 0u; s >>= 1) {{\n"
+                   f"    if (lane < s) part[lane] = {comb.format(acc='part[lane]', x='part[lane + s]')};\n"
+                   f"    barrier();\n  }}\n  if (lane == 0u && live) b0[o] = part[0];\n}}\n")
+
+
+def gather(table_shape, n_rows: int) -> str:
+    """out[i, :] = table[idx[i], :]; an index outside the table yields NaN rows, never a stray read."""
+    V, D = table_shape
+    return (_header([("float", True), ("float", False), ("int", False)]) +
+            f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n_rows * D}u) return;\n"
+            f"  uint i = gid / {D}u, d = gid % {D}u;\n  int row = b2[i];\n"
+            f"  b0[gid] = (row >= 0 && row < {V}) ? b1[uint(row) * {D}u + d] : (0.0/0.0);\n}}\n")

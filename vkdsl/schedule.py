@@ -1,0 +1,136 @@
+"""Graph -> ordered kernel steps. Decides which nodes get a buffer (materialize), fuses the
+rest into their consumers, and lists each step's inputs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .tensor import BINARY, UNARY, VIEWS, Tensor
+
+KERNEL_OPS = ("reduce", "matmul", "gather", "custom")
+ELEMENTWISE = UNARY + BINARY + ("where",)
+
+
+@dataclass
+class Step:
+    kind: str                         # elementwise | reduce | gather | matmul | custom | assign
+    node: Tensor                      # the node computed (for assign: the value expression)
+    inputs: list = field(default_factory=list)   # materialized tensors read, in binding order
+    target: Tensor | None = None      # assign: the realized tensor written
+
+
+def walk(roots):
+    """Nodes reachable from roots in dependency order (sources first); stops at leaves."""
+    order, seen = [], set()
+    stack = [(r, False) for r in reversed(roots)]
+    while stack:
+        t, done = stack.pop()
+        if done:
+            order.append(t)
+            continue
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        stack.append((t, True))
+        if t.op not in ("buffer", "input"):
+            stack.extend((s, False) for s in reversed(t.src))
+    return order
+
+
+def base_of(t: Tensor) -> Tensor:
+    """Follow views down to the node that holds the data."""
+    while t.op in VIEWS:
+        t = t.src[0]
+    return t
+
+
+def plan(outputs: list[Tensor], assigns: list[tuple[Tensor, Tensor]]):
+    """Returns (steps, materialized): steps in execution order; materialized = set of ids of
+    nodes that own (or alias) a buffer."""
+    roots = list(outputs) + [v for _, v in assigns]
+    order = walk(roots)
+    uses = {}
+    for t in order:
+        for s in t.src:
+            b = base_of(s)        # a view's consumers are its data node's consumers
+            uses[id(b)] = uses.get(id(b), 0) + 1
+    mat = {id(t) for t in order if t.op in ("buffer", "input") or t.op in KERNEL_OPS}
+    mat |= {id(t) for t in outputs}
+    for t in order:
+        if t.op in ("matmul", "gather", "custom"):
+            mat |= {id(s) for s in t.src}          # hand-written kernels read whole buffers
+        if t.op in ELEMENTWISE and uses.get(id(t), 0) > 1:
+            mat.add(id(t))                         # computed once, read by several kernels
+    targets = {id(tg) for tg, _ in assigns}
+    steps = []
+    for t in order:
+        if id(t) not in mat or t.op in ("buffer", "input"):
+            continue
+        if t.op == "reshape" and id(base_of(t)) in mat and _only_reshapes(t):
+            continue                               # aliases its source's buffer
+        steps.append(Step(_kind(t), t, leaves_of(t, mat)))
+    for target, value in assigns:
+        reads = [l for l in leaves_of(value, mat) if id(l) in targets]
+        direct = (id(value) not in mat and all(l is target for l in reads) and _identity_reads(value, target))
+        if not direct and id(value) not in mat:    # compute into a temporary before any write lands
+            mat.add(id(value))
+            steps.insert(len(steps), Step(_kind(value), value, leaves_of(value, mat)))
+        steps.append(Step("assign", value, [value] if id(value) in mat else leaves_of(value, mat), target))
+    _check_assign_order(steps)
+    return steps, mat
+
+
+def _only_reshapes(t):
+    while t.op == "reshape":
+        t = t.src[0]
+    return t.op not in VIEWS
+
+
+def _kind(t):
+    return t.op if t.op in KERNEL_OPS else "elementwise"
+
+
+def leaves_of(t: Tensor, mat: set) -> list[Tensor]:
+    """Materialized tensors an elementwise expression rooted at t reads (t itself excluded)."""
+    out, seen = [], set()
+
+    def visit(n, top):
+        if id(n) in seen:
+            return
+        seen.add(id(n))
+        if not top and id(n) in mat:
+            out.append(n)
+            return
+        if n.op == "reduce" and not top:
+            out.append(n)
+            return
+        srcs = n.src if n.op not in ("matmul", "gather", "custom") or not top else n.src
+        for s in srcs:
+            visit(s, False)
+    visit(t, True)
+    return out
+
+
+def _identity_reads(value, target):
+    """True when every path from value to target passes only elementwise ops (same index)."""
+    ok = True
+
+    def visit(n):
+        nonlocal ok
+        if n is target:
+            return
+        if n.op in VIEWS and target in walk([n]):
+            ok = False
+            return
+        for s in n.src:
+            visit(s)
+    visit(value)
+    return ok
+
+
+def _check_assign_order(steps):
+    written = set()
+    for s in steps:
+        if s.kind == "assign":
+            written.add(id(s.target))
+        elif any(id(i) in written for i in s.inputs):
+            raise RuntimeError("internal: a step reads a tensor after it was assigned")

@@ -1,0 +1,84 @@
+"""vkdsl.trace: capture a Python function of tensors once, replay it many times.
+
+The first call with a given set of input shapes runs the function on placeholder tensors,
+schedules the graph, compiles its kernels, allocates its buffers and records one command
+buffer. Later calls upload the inputs, submit, wait and read the outputs."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import realize as _r
+from .realize import Program
+from .tensor import DTYPES, Tensor
+
+
+class _Capture:
+    def __init__(self):
+        self.assigns = []
+
+
+def _flatten(out):
+    if isinstance(out, Tensor):
+        return [out], lambda xs: xs[0]
+    if isinstance(out, (tuple, list)):
+        return list(out), lambda xs: type(out)(xs)
+    if isinstance(out, dict):
+        keys = list(out)
+        return [out[k] for k in keys], lambda xs: dict(zip(keys, xs))
+    if out is None:
+        return [], lambda xs: None
+    raise TypeError(f"a traced function must return tensors (or a tuple/list/dict of them), got {type(out)}")
+
+
+class Traced:
+    def __init__(self, fn, device=None):
+        self.fn, self.device = fn, device
+        self.programs = {}
+
+    def _key(self, arrays):
+        return tuple((a.shape, a.dtype.str) for a in arrays)
+
+    def compile(self, *arrays):
+        arrays = [_as_input(a, i) for i, a in enumerate(arrays)]
+        key = self._key(arrays)
+        if key not in self.programs:
+            holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype]) for i, a in enumerate(arrays)]
+            cap = _Capture()
+            prev = getattr(_r._local, "trace", None)
+            _r._local.trace = cap
+            try:
+                out = self.fn(*holders)
+            finally:
+                _r._local.trace = prev
+            outs, rebuild = _flatten(out)
+            for o in outs:
+                if not isinstance(o, Tensor):
+                    raise TypeError(f"traced function returned {type(o)}, expected Tensor")
+            prog = Program(outs, holders, cap.assigns, device=self.device, label=getattr(self.fn, "__name__", "trace"))
+            self.programs[key] = (prog, rebuild)
+        return self.programs[key], arrays
+
+    def __call__(self, *arrays):
+        (prog, rebuild), arrays = self.compile(*arrays)
+        return rebuild(prog.run(arrays))
+
+    def program(self, *arrays) -> Program:
+        return self.compile(*arrays)[0][0]
+
+
+def _as_input(a, i):
+    a = np.asarray(a)
+    if a.dtype.kind == "f":
+        return np.ascontiguousarray(a, dtype=np.float32)
+    if a.dtype.kind in "iub":
+        if a.size and (a.min() < -2**31 or a.max() >= 2**31):
+            raise ValueError(f"input {i}: integer values outside int32")
+        return np.ascontiguousarray(a, dtype=np.int32)
+    raise TypeError(f"input {i}: expected a float or integer array, got dtype {a.dtype}")
+
+
+def trace(fn=None, *, device=None):
+    """Decorator: @vkdsl.trace def step(x, y): ...; step(np_x, np_y) -> numpy results."""
+    if fn is None:
+        return lambda f: Traced(f, device)
+    return Traced(fn, device)
