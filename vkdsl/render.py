@@ -10,7 +10,7 @@ CODE_FOR_OP = {
     "tanh": "vk_tanh({0})", "recip": "(1.0 / {0})", "sin": "sin({0})", "cos": "cos({0})",
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "max": "vk_max({0}, {1})", "cmplt": "float({0} < {1})", "cmpeq": "float({0} == {1})",
-    "where": "(({0} != 0.0) ? {1} : {2})",
+    "where": "(({0} != 0.0) ? {1} : {2})", "contiguous": "{0}",
 }
 GLSL_TYPE = {"float32": "float", "int32": "int"}
 # GLSL's tanh overflows to NaN for |x| > ~44 on some drivers; max must propagate NaN like numpy.
@@ -108,8 +108,9 @@ def elementwise(node, leaves) -> str:
     v = em.emit(node, idx)
     decl = "".join(f"  uint {name} = {expr};\n" for name, expr in zip(idx, _unflatten("gid", node.shape)))
     body = "\n".join(em.lines)
-    return (_header([("float", True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) +
-            f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n}u) return;\n{decl}{body}\n  b0[gid] = {v};\n}}\n")
+    store = f"int({v})" if node.dtype == "int32" else v
+    return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) +
+            f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n}u) return;\n{decl}{body}\n  b0[gid] = {store};\n}}\n")
 
 
 def reduction(node, leaves, group: int) -> str:

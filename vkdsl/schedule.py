@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from .tensor import BINARY, UNARY, VIEWS, Tensor
 
 KERNEL_OPS = ("reduce", "matmul", "gather", "custom")
-ELEMENTWISE = UNARY + BINARY + ("where",)
+ELEMENTWISE = UNARY + BINARY + ("where", "contiguous")
 
 
 @dataclass
@@ -53,7 +53,7 @@ def plan(outputs: list[Tensor], assigns: list[tuple[Tensor, Tensor]]):
         for s in t.src:
             b = base_of(s)        # a view's consumers are its data node's consumers
             uses[id(b)] = uses.get(id(b), 0) + 1
-    mat = {id(t) for t in order if t.op in ("buffer", "input") or t.op in KERNEL_OPS}
+    mat = {id(t) for t in order if t.op in ("buffer", "input", "contiguous") or t.op in KERNEL_OPS}
     mat |= {id(t) for t in outputs}
     for t in order:
         if t.op in ("matmul", "gather", "custom"):

@@ -149,6 +149,10 @@ class Tensor:
         return Tensor("where", (self.expand(shape), x.expand(shape), y.expand(shape)), shape=shape,
                       requires_grad=x.requires_grad or y.requires_grad)
 
+    def contiguous(self):
+        """Force this value into its own buffer (a fusion boundary)."""
+        return Tensor("contiguous", (self,), shape=self.shape, dtype=self.dtype, requires_grad=self.requires_grad)
+
     # ---- views ------------------------------------------------------------------------
     def reshape(self, *shape):
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
