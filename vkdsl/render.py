@@ -54,6 +54,8 @@ class Emitter:
             load = f"b{self.leaf_index[id(t)]}[{off}]"
             return self.tmp(f"float({load})" if t.dtype == "int32" else load)
         op = t.op
+        if op == "iota":
+            return f"float({idx[0]})"
         if op == "const":
             v = t.arg
             return "(1.0/0.0)" if v == math.inf else "(-1.0/0.0)" if v == -math.inf else \
@@ -73,6 +75,17 @@ class Emitter:
             return self.emit(src, [i if a == 0 else f"({i} + {a}u)" for i, a in zip(idx, t.arg)])
         if op == "reshape":
             return self.emit(src, reshape_index(idx, t.shape, src.shape))
+        if op == "pad":
+            # Clamp the index so the load stays in bounds, then select zero outside the source.
+            inside, cidx = [], []
+            for i, (a, _), s in zip(idx, t.arg, src.shape):
+                if a == 0 and s == t.shape[len(cidx)]:
+                    cidx.append(i)
+                    continue
+                inside.append(f"({i} >= {a}u && {i} < {a + s}u)")
+                cidx.append(f"min(uint(max(int({i}) - {a}, 0)), {max(s - 1, 0)}u)")
+            v = self.emit(src, cidx)
+            return self.tmp(f"({' && '.join(inside) or 'true'}) ? {v} : 0.0")
         raise NotImplementedError(f"cannot fuse op {op} into an elementwise kernel")
 
 

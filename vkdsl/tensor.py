@@ -9,8 +9,8 @@ import numpy as np
 
 UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "recip", "sin", "cos")
 BINARY = ("add", "sub", "mul", "div", "max", "cmplt", "cmpeq")
-VIEWS = ("reshape", "permute", "expand", "slice")
-LEAVES = ("buffer", "input", "const")
+VIEWS = ("reshape", "permute", "expand", "slice", "pad")
+LEAVES = ("buffer", "input", "const", "iota")
 DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32"}
 
 
@@ -64,6 +64,13 @@ class Tensor:
     def const(value: float, shape=()) -> "Tensor":
         c = Tensor("const", arg=float(value), shape=())
         return c.expand(shape) if tuple(shape) else c
+
+    @staticmethod
+    def arange(n: int) -> "Tensor":
+        """0, 1, ..., n-1 as float32 (exact below 2**24), computed inside the consuming kernel."""
+        if n > 2**24:
+            raise ShapeError(f"arange({n}): float32 cannot hold indices above 2**24 exactly")
+        return Tensor("iota", arg=n, shape=(n,))
 
     @staticmethod
     def zeros(shape) -> "Tensor":
@@ -176,6 +183,8 @@ class Tensor:
             raise ShapeError(f"permute: {axes} is not a permutation of the {self.ndim} axes of {self.shape}")
         if axes == tuple(range(self.ndim)):
             return self
+        if self.op == "permute":                     # compose: a permute of a permute is one permute
+            return self.src[0].permute(tuple(self.arg[a] for a in axes))
         return Tensor("permute", (self,), axes, shape=tuple(self.shape[a] for a in axes), dtype=self.dtype,
                       requires_grad=self.requires_grad)
 
@@ -221,6 +230,16 @@ class Tensor:
             out = Tensor("slice", (self,), tuple(starts), shape=tuple(sizes), dtype=self.dtype,
                          requires_grad=self.requires_grad)
         return out.reshape(tuple(s for d, s in enumerate(sizes) if d not in drop)) if drop else out
+
+    def pad(self, widths):
+        """Zero padding: widths = ((before, after), ...) per axis."""
+        widths = tuple((int(a), int(b)) for a, b in widths)
+        if len(widths) != self.ndim or any(a < 0 or b < 0 for a, b in widths):
+            raise ShapeError(f"pad: need one non-negative (before, after) per axis of {self.shape}, got {widths}")
+        if all(a == 0 and b == 0 for a, b in widths):
+            return self
+        shape = tuple(s + a + b for s, (a, b) in zip(self.shape, widths))
+        return Tensor("pad", (self,), widths, shape=shape, dtype=self.dtype, requires_grad=self.requires_grad)
 
     # ---- reductions -------------------------------------------------------------------
     def _reduce(self, kind, axis=None, keepdim=False):

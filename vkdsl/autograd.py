@@ -1,0 +1,145 @@
+"""Reverse-mode autodiff over the lazy graph: one gradient rule per primitive, in one table.
+
+grad(loss, params) walks only nodes that require a gradient, so a frozen weight never gets a
+gradient tensor (let alone a buffer), while input gradients through frozen layers still flow
+to earlier trainable tensors. The result is a lazy graph like any other: trace it."""
+from __future__ import annotations
+
+import math
+
+from .tensor import Tensor
+
+# Each rule: (node, upstream gradient g, *sources) -> one gradient per source (None = no gradient).
+# `out` is the node itself (some rules reuse the forward value).
+
+
+def _unexpand(g: Tensor, shape) -> Tensor:
+    """Sum g over the axes that broadcasting expanded, back to `shape`."""
+    if g.shape == tuple(shape):
+        return g
+    lead = g.ndim - len(shape)
+    axes = list(range(lead)) + [lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1]
+    return g.sum(axis=axes, keepdim=True).reshape(shape) if axes else g.reshape(shape)
+
+
+def _inverse(axes):
+    inv = [0] * len(axes)
+    for i, a in enumerate(axes):
+        inv[a] = i
+    return tuple(inv)
+
+
+def _matmul_grads(out, g, a, b):
+    ta, tb, nb, ba, bb = out.arg
+    A = a.transpose(-1, -2) if ta else a          # the logical operands of out = A @ B
+    B = b.transpose(-1, -2) if tb else b
+    ga = gb = None
+    if a.requires_grad:
+        dA = _batch_sum(g @ B.transpose(-1, -2), A, g, B, "a")
+        ga = dA.transpose(-1, -2) if ta else dA
+    if b.requires_grad:
+        dB = _batch_sum(A.transpose(-1, -2) @ g, B, A, g, "b")
+        gb = dB.transpose(-1, -2) if tb else dB
+    return ga, gb
+
+
+def _batch_sum(d, X, P, Q, which):
+    """Reduce a batched gradient over the batch axes its operand X was broadcast along."""
+    return d if d.shape == X.shape else _unexpand(d, X.shape)
+
+
+def _reduce_grad(out, g, x):
+    kind, axis = out.arg
+    ge = g.expand(x.shape)
+    if kind == "sum":
+        return (ge,)
+    # max: the gradient goes to the entries equal to the max (tests stay away from ties)
+    return (ge * x.eq(out.expand(x.shape)),)
+
+
+def _slice_grad(out, g, x):
+    return (g.pad(tuple((a, s - a - n) for a, s, n in zip(out.arg, x.shape, out.shape))),)
+
+
+def _pad_grad(out, g, x):
+    return (g[tuple(slice(a, a + s) for (a, _), s in zip(out.arg, x.shape))],)
+
+
+GRADIENTS = {
+    "add": lambda o, g, a, b: (g, g),
+    "sub": lambda o, g, a, b: (g, -g),
+    "mul": lambda o, g, a, b: (g * b, g * a),
+    "div": lambda o, g, a, b: (g / b, -g * o / b),
+    "max": lambda o, g, a, b: (g * (1.0 - (a < b)), g * (a < b)),
+    "neg": lambda o, g, a: (-g,),
+    "exp": lambda o, g, a: (g * o,),
+    "log": lambda o, g, a: (g / a,),
+    "sqrt": lambda o, g, a: (g * 0.5 / o,),
+    "rsqrt": lambda o, g, a: (g * -0.5 * o * o * o,),
+    "tanh": lambda o, g, a: (g * (1.0 - o * o),),
+    "recip": lambda o, g, a: (-g * o * o,),
+    "sin": lambda o, g, a: (g * a.cos(),),
+    "cos": lambda o, g, a: (-g * a.sin(),),
+    "cmplt": lambda o, g, a, b: (None, None),
+    "cmpeq": lambda o, g, a, b: (None, None),
+    "where": lambda o, g, c, x, y: (None, c.where(g, 0.0), c.where(0.0, g)),
+    "contiguous": lambda o, g, a: (g,),
+    "reshape": lambda o, g, a: (g.reshape(a.shape),),
+    "permute": lambda o, g, a: (g.permute(_inverse(o.arg)),),
+    "expand": lambda o, g, a: (_unexpand(g, a.shape),),
+    "slice": _slice_grad,
+    "pad": _pad_grad,
+    "reduce": _reduce_grad,
+    "matmul": _matmul_grads,
+    "gather": lambda o, g, table, idx: (scatter_add(g, idx, table.shape[0]), None),
+    "custom": lambda o, g, *srcs: o.arg.backward(o, g, *srcs),
+}
+
+
+def _topo(root):
+    order, seen = [], set()
+    stack = [(root, False)]
+    while stack:
+        t, done = stack.pop()
+        if done:
+            order.append(t)
+            continue
+        if id(t) in seen or not t.requires_grad:
+            continue
+        seen.add(id(t))
+        stack.append((t, True))
+        stack.extend((s, False) for s in t.src if s.requires_grad)
+    return order
+
+
+def grad(loss: Tensor, params, upstream: Tensor | None = None) -> list[Tensor]:
+    """Gradients of loss (a scalar, or sum(loss * upstream)) w.r.t. params, as lazy tensors."""
+    if upstream is None and loss.size != 1:
+        raise ValueError(f"grad needs a scalar loss (or an upstream gradient), got shape {loss.shape}")
+    for p in params:
+        if not p.requires_grad:
+            raise ValueError(f"grad: {p} does not require a gradient (frozen tensors get none)")
+    grads = {id(loss): upstream if upstream is not None else Tensor.const(1.0, loss.shape)}
+    for t in reversed(_topo(loss)):
+        g = grads.pop(id(t), None)
+        if g is None or not t.src:
+            if g is not None:
+                grads[id(t)] = g        # a leaf keeps its gradient for the caller
+            continue
+        rule = GRADIENTS.get(t.op)
+        if rule is None:
+            raise NotImplementedError(f"no gradient rule for op {t.op}")
+        for s, gs in zip(t.src, rule(t, g, *t.src)):
+            if gs is None or not s.requires_grad:
+                continue
+            if gs.shape != s.shape:
+                raise RuntimeError(f"internal: gradient rule for {t.op} gave {gs.shape} for a {s.shape} source")
+            grads[id(s)] = grads[id(s)] + gs if id(s) in grads else gs
+    return [grads.get(id(p), Tensor.zeros(p.shape)) for p in params]
+
+
+def scatter_add(g: Tensor, idx: Tensor, n_rows: int) -> Tensor:
+    """out[v] = sum of g rows whose index is v: the embedding gradient, as a one-hot matmul
+    (exact in fp32 for the small tables it is used on; the trainer keeps embeddings frozen)."""
+    onehot = idx.reshape(-1, 1).eq(Tensor.arange(n_rows))        # (n, V)
+    return onehot.transpose(-1, -2).contiguous() @ g.reshape(-1, g.shape[-1])
