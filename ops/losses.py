@@ -81,10 +81,12 @@ def tmkl(adapted_logits: Tensor, base_logits: Tensor, labels: Tensor) -> Tensor:
     hot = _onehot(labels, V)
     za = hot.where(-math.inf, adapted_logits)
     zb = hot.where(-math.inf, base_logits)
-    la = za - logsumexp(za, -1, keepdim=True)
-    lb = zb - logsumexp(zb, -1, keepdim=True)
-    # exp(la) is 0 at the target; where() keeps -inf - -inf (NaN) out of the sum.
-    per = hot.where(0.0, la.exp() * (la - lb)).sum(-1)
+    # Renormalised log-probs, set to a finite 0 at the target so neither the forward nor the
+    # backward pass ever meets -inf - -inf; the target's probability is then masked to 0.
+    la = hot.where(0.0, za - logsumexp(za, -1, keepdim=True))
+    lb = hot.where(0.0, zb - logsumexp(zb, -1, keepdim=True))
+    pa = hot.where(0.0, la.exp())
+    per = (pa * (la - lb)).sum(-1)
     mask = 1.0 - labels.eq(IGNORE)
     return (per * mask).sum() / mask.sum()
 

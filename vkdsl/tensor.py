@@ -211,6 +211,11 @@ class Tensor:
     def __getitem__(self, idx):
         """Basic slicing with non-negative unit-step slices and integers."""
         idx = idx if isinstance(idx, tuple) else (idx,)
+        if Ellipsis in idx:
+            at = idx.index(Ellipsis)
+            idx = idx[:at] + (slice(None),) * (self.ndim - len(idx) + 1) + idx[at + 1:]
+        if len(idx) > self.ndim:
+            raise IndexError(f"{len(idx)} indices for a {self.ndim}-d tensor")
         starts, sizes, drop = [], [], []
         for d, s in enumerate(self.shape):
             i = idx[d] if d < len(idx) else slice(None)

@@ -1,0 +1,28 @@
+"""Llama-family model files for vkdsl: GGUF and Hugging Face safetensors loaders (both give
+GGUF names, (out, in) shapes and GGUF Q/K row order), the tokenizer and the chat template.
+
+No Vulkan here: the device forward pass is built on top of these records.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .config import LlamaConfig
+from .errors import ModelFileError
+from .gguf_loader import config_from_gguf, load_gguf, open_gguf
+from .safetensors_loader import (config_from_hf, gguf_name_to_hf, gguf_to_hf_rows,
+                                 hf_name_to_gguf, hf_to_gguf_rows, load_hf)
+from .tensors import SUPPORTED_TYPES, LlamaCheckpoint, TensorRecord, expected_shapes
+from .tokenizer import Tokenizer, load_tokenizer
+
+
+def load_checkpoint(path: str | os.PathLike) -> LlamaCheckpoint:
+    """A .gguf file or a Hugging Face folder (config.json + safetensors)."""
+    return load_hf(path) if Path(path).is_dir() else load_gguf(path)
+
+
+__all__ = ["LlamaConfig", "ModelFileError", "LlamaCheckpoint", "TensorRecord", "SUPPORTED_TYPES",
+           "Tokenizer", "load_tokenizer", "load_checkpoint", "load_gguf", "load_hf", "open_gguf",
+           "config_from_gguf", "config_from_hf", "expected_shapes", "hf_to_gguf_rows",
+           "gguf_to_hf_rows", "hf_name_to_gguf", "gguf_name_to_hf"]

@@ -1,0 +1,59 @@
+"""Hyper-parameters of a Llama-architecture model, validated once at load time."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import ModelFileError
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    n_layers: int
+    dim: int                  # hidden size (residual stream width)
+    n_heads: int              # query heads
+    n_kv_heads: int           # key/value heads (GQA: each serves n_heads // n_kv_heads)
+    head_dim: int
+    ffn_dim: int              # SwiGLU inner width
+    vocab_size: int
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    context_length: int = 2048
+    tied_embeddings: bool = False   # True: logits use token_embd.weight (no output.weight)
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                    "vocab_size", "context_length"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ModelFileError(f"LlamaConfig.{key} must be a positive int, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ModelFileError(
+                f"LlamaConfig: n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                f"({self.n_kv_heads}) so query heads share key/value heads evenly")
+        if self.head_dim % 2:
+            # RoPE rotates pairs of features.
+            raise ModelFileError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rope_base > 1.0:
+            raise ModelFileError(f"LlamaConfig.rope_base must be > 1, got {self.rope_base!r}")
+        if not 0.0 < self.norm_eps < 1.0:
+            raise ModelFileError(f"LlamaConfig.norm_eps must be in (0, 1), got {self.norm_eps!r}")
+        for key in ("bos_id", "eos_id", "pad_id"):
+            value = getattr(self, key)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ModelFileError(
+                    f"LlamaConfig.{key} = {value} is outside the vocabulary [0, {self.vocab_size})")
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        """Plain dict, the form golden/llama_ref.py takes (it must not import this module)."""
+        return asdict(self)

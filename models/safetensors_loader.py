@@ -1,0 +1,201 @@
+"""Read a Hugging Face Llama folder (config.json + *.safetensors) into the GGUF layout.
+
+The safetensors format is parsed here directly (8-byte header length, JSON header, raw
+little-endian data) because numpy has no bfloat16; BF16 is widened to F32 exactly.
+Q and K rows are permuted into llama.cpp's order so one forward serves both formats.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .config import LlamaConfig
+from .errors import ModelFileError
+from .tensors import LlamaCheckpoint, TensorRecord, check_tensors
+
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+# HF name -> GGUF name; {i} is the layer index.
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+              "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def hf_name_to_gguf(name: str) -> str | None:
+    """GGUF name of a HF Llama tensor, None if it is not a Llama weight."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def gguf_name_to_hf(name: str) -> str:
+    """Inverse of hf_name_to_gguf (adapter export uses HF names)."""
+    for hf, gg in _TOP_NAMES.items():
+        if gg == name:
+            return hf
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+    if m:
+        for hf, gg in _LAYER_NAMES.items():
+            if gg == m.group(2):
+                return f"model.layers.{m.group(1)}.{hf}"
+    raise KeyError(f"not a Llama GGUF tensor name: {name!r}")
+
+
+def _pair_permute(w: np.ndarray, n_heads: int, axis: int, to_gguf: bool) -> np.ndarray:
+    w = np.moveaxis(np.asarray(w), axis, 0)
+    rows = w.shape[0]
+    if rows % n_heads or (rows // n_heads) % 2:
+        raise ValueError(f"{rows} rows do not split into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    # HF head rows are [first halves i | second halves i] = (2, half); GGUF interleaves
+    # them as (half, 2): GGUF row h*hd + 2i + j holds HF row h*hd + half*j + i.
+    src = (n_heads, 2, half) if to_gguf else (n_heads, half, 2)
+    out = w.reshape(src + w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return np.moveaxis(out, 0, axis)
+
+
+def hf_to_gguf_rows(w: np.ndarray, n_heads: int, axis: int = 0) -> np.ndarray:
+    """Permute Q or K rows (n_heads * head_dim along `axis`) from HF to GGUF order."""
+    return _pair_permute(w, n_heads, axis, to_gguf=True)
+
+
+def gguf_to_hf_rows(w: np.ndarray, n_heads: int, axis: int = 0) -> np.ndarray:
+    """Inverse of hf_to_gguf_rows: GGUF (adjacent-pair RoPE) order back to HF (half-split)."""
+    return _pair_permute(w, n_heads, axis, to_gguf=False)
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:
+    """{name: (dtype, shape, uint8 bytes)} for one .safetensors file, bounds-checked."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n <= 0 or 8 + n > size:
+            raise ModelFileError(f"{path}: not a safetensors file (header length {n}, file "
+                                 f"{size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelFileError(f"{path}: safetensors header is not valid JSON: {e}") from e
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else \
+        np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = info.get("dtype"), tuple(int(d) for d in info.get("shape", ()))
+        if dtype not in _DTYPES:
+            raise ModelFileError(f"{path}: tensor {name!r} has dtype {dtype}; supported: "
+                                 f"{', '.join(_DTYPES)}")
+        begin, end = (int(x) for x in info["data_offsets"])
+        want = int(np.prod(shape)) * _DTYPES[dtype].itemsize
+        if end - begin != want or end > data.size:
+            raise ModelFileError(f"{path}: tensor {name!r} needs bytes [{begin}, {begin + want}) "
+                                 f"of {data.size} data bytes (truncated or corrupt)")
+        out[name] = (dtype, shape, data[begin:end])
+    return out
+
+
+def _to_record(name: str, dtype: str, shape: tuple[int, ...], raw: np.ndarray) -> TensorRecord:
+    if dtype == "BF16":
+        # bfloat16 is the top half of a float32: shift it back up, exact.
+        f32 = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        raw, dtype = f32.view(np.uint8), "F32"
+    rows = raw.reshape(shape[0], -1) if len(shape) == 2 else raw
+    return TensorRecord(name, dtype, shape, rows)
+
+
+def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
+    """LlamaConfig from a HF config.json dict (model_type must be llama)."""
+    if cfg.get("model_type") != "llama":
+        raise ModelFileError(f"{path}: model_type is {cfg.get('model_type')!r}, expected 'llama'")
+    if cfg.get("rope_scaling"):
+        raise ModelFileError(f"{path}: rope_scaling = {cfg['rope_scaling']!r}; unsupported")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ModelFileError(f"{path}: {key} = true; unsupported (plain Llama has no biases)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelFileError(f"{path}: hidden_act = {cfg['hidden_act']!r}, expected 'silu'")
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+                "vocab_size", "rms_norm_eps"):
+        if key not in cfg:
+            raise ModelFileError(f"{path}: missing config key {key!r}")
+
+    def first_id(key: str) -> int | None:
+        value = cfg.get(key)
+        return int(value[0]) if isinstance(value, list) and value else \
+            (None if value is None or isinstance(value, list) else int(value))
+
+    dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    try:
+        return LlamaConfig(
+            n_layers=int(cfg["num_hidden_layers"]), dim=dim, n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or dim // n_heads),
+            ffn_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+            rope_base=float(cfg.get("rope_theta", 10000.0)), norm_eps=float(cfg["rms_norm_eps"]),
+            context_length=int(cfg.get("max_position_embeddings", 2048)),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            bos_id=first_id("bos_token_id"), eos_id=first_id("eos_token_id"),
+            pad_id=first_id("pad_token_id"))
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ModelFileError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_hf(folder: str | os.PathLike) -> LlamaCheckpoint:
+    """Config plus GGUF-named, GGUF-layout TensorRecords (F32/F16; BF16 becomes F32)."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelFileError(f"{folder}: no config.json")
+    cfg = config_from_hf(json.loads(config_path.read_text()), config_path)
+    tensors: dict[str, TensorRecord] = {}
+    for file in _weight_files(folder):
+        for hf_name, (dtype, shape, raw) in read_safetensors(file).items():
+            name = hf_name_to_gguf(hf_name)
+            if name is None:
+                if hf_name.endswith("rotary_emb.inv_freq"):
+                    continue   # a cached buffer in old checkpoints, recomputed from rope_theta
+                raise ModelFileError(f"{file}: unexpected tensor {hf_name!r}; unsupported variant")
+            if name == "output.weight" and cfg.tied_embeddings:
+                continue       # some tied checkpoints still save a copy of the embedding
+            rec = _to_record(name, dtype, shape, raw)
+            if name.endswith(("attn_q.weight", "attn_k.weight")) and len(shape) == 2:
+                heads = cfg.n_heads if name.endswith("attn_q.weight") else cfg.n_kv_heads
+                if shape[0] == heads * cfg.head_dim:   # else check_tensors reports the shape
+                    rec = TensorRecord(name, rec.ggml_type, shape,
+                                       np.ascontiguousarray(hf_to_gguf_rows(rec.raw, heads)))
+            tensors[name] = rec
+    check_tensors(tensors, cfg, folder)
+    return LlamaCheckpoint(cfg, tensors, folder, "safetensors")

@@ -1,0 +1,219 @@
+"""Text <-> token ids for Llama-family models, built from the model's own files.
+
+Two sources give one engine (HF `tokenizers`):
+- a GGUF file: tokenizer.ggml.* keys (vocab, merges, token types, pre-tokenizer name);
+- a HF folder: tokenizer.json (+ tokenizer_config.json for the chat template).
+Chat templates are rendered with jinja2's sandbox: a template is data from the model file.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _HFTokenizer
+
+from .errors import ModelFileError
+from .gguf_loader import open_gguf, read_key
+
+
+def _byte_level(split_digits: bool) -> pre_tokenizers.PreTokenizer:
+    """GPT-2 byte-level pre-tokenizer (its regex: 's|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+|
+    ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+), optionally isolating every digit first."""
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+    return pre_tokenizers.Sequence(steps)
+
+
+# tokenizer.ggml.pre -> does it split digits one by one first? Following llama.cpp
+# (llama-vocab.cpp): STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL run the regex "\p{N}"
+# and then the GPT-2 regex; GPT2, MPT, OLMO run the GPT-2 regex alone. Other names (llama3,
+# qwen2, deepseek, llama.cpp's "default", ...) use other regexes or BPE options: refused.
+_SPLIT_DIGITS = {"gpt2": False, "mpt": False, "olmo": False, "smollm": True, "starcoder": True,
+                 "refact": True, "command-r": True, "codeshell": True}
+
+# GGUF token types (gguf.TokenType): 3 CONTROL and 4 USER_DEFINED are matched verbatim in text.
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+class Tokenizer:
+    """encode/decode plus the model's chat template. Build with from_gguf or from_hf."""
+
+    def __init__(self, engine: _HFTokenizer, *, bos_id: int | None, eos_id: int | None,
+                 pad_id: int | None, chat_template: str | None, source: Path):
+        self._engine = engine
+        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+        self.chat_template = chat_template
+        self.source = source
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids. Special tokens written in `text` (e.g. <|im_start|>) always become
+        their single ids; add_special adds BOS/EOS only where the model asks for them."""
+        return self._engine.encode(text, add_special_tokens=add_special).ids
+
+    def decode(self, ids) -> str:
+        """Text of `ids`, special tokens included, so decode(encode(t)) == t."""
+        return self._engine.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._engine.id_to_token(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._engine.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **extra) -> str:
+        """Render the model's own Jinja chat template (sandboxed) to a string."""
+        if not self.chat_template:
+            raise ModelFileError(f"{self.source}: no chat template in the model files")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(message):
+            raise ModelFileError(f"{self.source}: chat template error: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        # Like transformers: non-ASCII stays readable and nothing is HTML-escaped.
+        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False,
+                                                                       indent=indent)
+        token = lambda i: None if i is None else self._engine.id_to_token(i)  # noqa: E731
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=token(self.bos_id) or "", eos_token=token(self.eos_id) or "",
+            pad_token=token(self.pad_id) or "", **extra)
+
+    # ------------------------------------------------------------------ builders
+
+    @classmethod
+    def from_gguf(cls, source, expected_vocab: int | None = None) -> "Tokenizer":
+        """From a GGUF path (or an open gguf.GGUFReader). expected_vocab defaults to the
+        model's llama.vocab_size / token_embd rows; a different token count is an error."""
+        if isinstance(source, (str, os.PathLike)):
+            path, reader = Path(source), open_gguf(source)
+        else:
+            reader = source
+            path = Path(getattr(getattr(reader, "data", None), "filename", "") or "<gguf>")
+
+        def key(name, default=...):
+            return read_key(reader, name, default, path=path)
+
+        kind = key("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelFileError(f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' "
+                                 f"(byte-level BPE) is supported")
+        pre = key("tokenizer.ggml.pre", None)
+        if pre not in _SPLIT_DIGITS:
+            raise ModelFileError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: "
+                                 f"{', '.join(sorted(_SPLIT_DIGITS))}")
+        tokens: list[str] = key("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in key("tokenizer.ggml.merges")]
+        types = key("tokenizer.ggml.token_type", [1] * len(tokens))
+        if len(types) != len(tokens):
+            raise ModelFileError(f"{path}: {len(tokens)} tokens but {len(types)} token types")
+        vocab = {}
+        for i, tok in enumerate(tokens):
+            if vocab.setdefault(tok, i) != i:
+                raise ModelFileError(f"{path}: token {tok!r} appears twice (ids {vocab[tok]}, {i})")
+        if expected_vocab is None:
+            expected_vocab = key("llama.vocab_size", None)
+            if expected_vocab is None:
+                embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+                expected_vocab = None if embd is None else int(embd.shape[-1])
+        _check_vocab(len(tokens), expected_vocab, path)
+
+        engine = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        engine.pre_tokenizer = _byte_level(_SPLIT_DIGITS[pre])
+        engine.decoder = decoders.ByteLevel()
+        engine.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                   for t, k in zip(tokens, types) if k == _CONTROL])
+        engine.add_tokens([AddedToken(t, special=False, normalized=False)
+                           for t, k in zip(tokens, types) if k == _USER_DEFINED])
+
+        ids = {name: key(f"tokenizer.ggml.{name}_token_id", None)
+               for name in ("bos", "eos", "padding")}
+        ids = {name: None if i is None else int(i) for name, i in ids.items()}
+        add_bos = bool(key("tokenizer.ggml.add_bos_token", False))
+        add_eos = bool(key("tokenizer.ggml.add_eos_token", False))
+        _set_post_processor(engine, tokens, bos=ids["bos"] if add_bos else None,
+                            eos=ids["eos"] if add_eos else None)
+        return cls(engine, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["padding"],
+                   chat_template=key("tokenizer.chat_template", None), source=path)
+
+    @classmethod
+    def from_hf(cls, folder: str | os.PathLike, expected_vocab: int | None = None) -> "Tokenizer":
+        """From a HF folder: tokenizer.json, tokenizer_config.json (chat template, special
+        tokens), config.json (vocab_size, used as expected_vocab unless given)."""
+        folder = Path(folder)
+        tok_path = folder / "tokenizer.json"
+        if not tok_path.is_file():
+            raise ModelFileError(f"{folder}: no tokenizer.json")
+        try:
+            engine = _HFTokenizer.from_file(str(tok_path))
+        except Exception as e:
+            raise ModelFileError(f"{tok_path}: not a readable tokenizer.json: {e}") from e
+        tcfg = _read_json(folder / "tokenizer_config.json")
+        mcfg = _read_json(folder / "config.json")
+        if expected_vocab is None:
+            expected_vocab = mcfg.get("vocab_size")
+        _check_vocab(engine.get_vocab_size(with_added_tokens=True), expected_vocab, tok_path)
+
+        def special(name: str) -> int | None:
+            tok = tcfg.get(f"{name}_token")
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            if tok is not None and engine.token_to_id(tok) is not None:
+                return engine.token_to_id(tok)
+            value = mcfg.get(f"{name}_token_id")
+            return int(value[0] if isinstance(value, list) else value) if value is not None \
+                else None
+
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):   # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        return cls(engine, bos_id=special("bos"), eos_id=special("eos"), pad_id=special("pad"),
+                   chat_template=template, source=folder)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Tokenizer from a .gguf file or a HF folder."""
+    path = Path(path)
+    return Tokenizer.from_hf(path) if path.is_dir() else Tokenizer.from_gguf(path)
+
+
+def _check_vocab(n_tokens: int, expected: int | None, path: Path) -> None:
+    if expected is not None and n_tokens != int(expected):
+        raise ModelFileError(f"{path}: tokenizer has {n_tokens} tokens but the model's "
+                             f"vocabulary is {int(expected)}")
+
+
+def _set_post_processor(engine: _HFTokenizer, tokens: list[str], *, bos: int | None,
+                        eos: int | None) -> None:
+    """BOS/EOS insertion (only when the GGUF's add_bos/add_eos ask for it)."""
+    if bos is None and eos is None:
+        return
+    parts, specials = ["$A"], []
+    if bos is not None:
+        parts.insert(0, tokens[bos])
+        specials.append((tokens[bos], bos))
+    if eos is not None:
+        parts.append(tokens[eos])
+        specials.append((tokens[eos], eos))
+    engine.post_processor = processors.TemplateProcessing(
+        single=" ".join(parts), special_tokens=specials)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFileError(f"{path}: invalid JSON: {e}") from e

@@ -1,0 +1,174 @@
+"""Bad model files must fail loudly, naming the file and the tensor or key at fault."""
+import json
+import shutil
+
+import jinja2
+import numpy as np
+import pytest
+
+from vkdsl.models import (LlamaConfig, ModelFileError, Tokenizer, load_checkpoint, load_gguf,
+                          load_hf)
+from vkdsl.models.synthetic import (TINY_CONFIG, TinyVocab, build_tiny, random_hf_weights,
+                                    tiny_bpe, write_gguf)
+from vkdsl.models.safetensors_loader import hf_name_to_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """(gguf-named F32 weights, cfg, vocab) to write deliberately broken files from."""
+    cfg = dict(TINY_CONFIG)
+    w = {hf_name_to_gguf(k): v for k, v in random_hf_weights(cfg, seed=4).items()}
+    return w, cfg, tiny_bpe()
+
+
+def test_good_files_load(tiny):
+    assert load_checkpoint(tiny.gguf_path).format == "gguf"
+    assert load_checkpoint(tiny.hf_dir).format == "safetensors"
+
+
+def test_non_llama_architecture(tmp_path, parts):
+    w, cfg, vocab = parts
+    path = write_gguf(tmp_path / "qwen.gguf", w, cfg, vocab, arch="qwen2")
+    with pytest.raises(ModelFileError, match=r"qwen\.gguf.*general\.architecture.*'qwen2'"):
+        load_gguf(path)
+
+
+def test_missing_tensor(tmp_path, parts):
+    w, cfg, vocab = parts
+    w = {k: v for k, v in w.items() if k != "blk.1.ffn_up.weight"}
+    path = write_gguf(tmp_path / "missing.gguf", w, cfg, vocab, types={})
+    with pytest.raises(ModelFileError, match=r"missing\.gguf.*missing tensor 'blk\.1\.ffn_up"):
+        load_gguf(path)
+
+
+def test_unexpected_tensor(tmp_path, parts):
+    w, cfg, vocab = parts
+    w = dict(w, **{"rope_freqs.weight": np.ones(8, np.float32)})
+    path = write_gguf(tmp_path / "extra.gguf", w, cfg, vocab, types={})
+    with pytest.raises(ModelFileError, match=r"extra\.gguf.*'rope_freqs\.weight'"):
+        load_gguf(path)
+
+
+def test_shape_inconsistent_with_config(tmp_path, parts):
+    w, cfg, vocab = parts
+    path = write_gguf(tmp_path / "ffn.gguf", w, dict(cfg, ffn_dim=128), vocab, types={})
+    with pytest.raises(ModelFileError,
+                       match=r"ffn\.gguf.*'blk\.0\.ffn_gate\.weight' has shape \(96, 64\).*"
+                             r"\(128, 64\)"):
+        load_gguf(path)
+
+
+def test_unsupported_tensor_type(tmp_path, parts):
+    w, cfg, vocab = parts
+    path = write_gguf(tmp_path / "q5.gguf", w, cfg, vocab, types={"blk.0.ffn_up.weight": "Q5_0"})
+    with pytest.raises(ModelFileError, match=r"q5\.gguf.*'blk\.0\.ffn_up\.weight' has type Q5_0"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("keep, detail", [
+    (0.5, r"\(tensor 'blk\.\d\.\w+\.weight' \(\w+ \[\d+, \d+\]\) needs bytes \[\d+, \d+\)"),
+    (0.999, r"\(tensor 'blk\.1\.ffn_down\.weight' \(F32 \[64, 96\]\) needs bytes"),
+    (0.01, r"\(expected the GGUF header")])   # cut inside the metadata: no tensor table
+def test_truncated_gguf(tmp_path, tiny, keep, detail):
+    path = tmp_path / "cut.gguf"
+    data = tiny.gguf_path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(ModelFileError, match=r"cut\.gguf: not a readable GGUF file, truncated "
+                                             r"or corrupt " + detail):
+        load_gguf(path)
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "junk.gguf"
+    path.write_bytes(b"PK\x03\x04" + bytes(200))
+    with pytest.raises(ModelFileError, match=r"junk\.gguf: not a readable GGUF file.*magic"):
+        load_gguf(path)
+    with pytest.raises(ModelFileError, match=r"nothere\.gguf: no such"):
+        load_gguf(tmp_path / "nothere.gguf")
+
+
+def test_gguf_vocab_mismatch(tmp_path, parts):
+    w, cfg, vocab = parts
+    short = TinyVocab(vocab.tokens[:-1], vocab.merges, vocab.token_types[:-1])
+    path = write_gguf(tmp_path / "vocab.gguf", w, cfg, short, types={})
+    with pytest.raises(ModelFileError, match=r"vocab\.gguf.*299 tokens.*vocabulary is 300"):
+        Tokenizer.from_gguf(path)
+
+
+def test_gguf_unknown_pretokenizer(tmp_path, parts):
+    w, cfg, vocab = parts
+    path = write_gguf(tmp_path / "pre.gguf", w, cfg, vocab, types={}, pre="mystery-pre")
+    with pytest.raises(ModelFileError, match=r"pre\.gguf.*tokenizer\.ggml\.pre.*'mystery-pre'"):
+        Tokenizer.from_gguf(path)
+
+
+def _hf_copy(tiny, tmp_path):
+    folder = tmp_path / "hf"
+    shutil.copytree(tiny.hf_dir, folder)
+    return folder
+
+
+def _edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def test_hf_vocab_mismatch(tmp_path, tiny):
+    folder = _hf_copy(tiny, tmp_path)
+    _edit_json(folder / "config.json", vocab_size=320)
+    with pytest.raises(ModelFileError, match=r"tokenizer\.json.*300 tokens.*vocabulary is 320"):
+        Tokenizer.from_hf(folder)
+
+
+def test_hf_wrong_model_type(tmp_path, tiny):
+    folder = _hf_copy(tiny, tmp_path)
+    _edit_json(folder / "config.json", model_type="mistral")
+    with pytest.raises(ModelFileError, match=r"config\.json.*model_type is 'mistral'"):
+        load_hf(folder)
+
+
+def test_hf_truncated_safetensors(tmp_path, tiny):
+    folder = _hf_copy(tiny, tmp_path)
+    st = folder / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:-100])
+    with pytest.raises(ModelFileError, match=r"model\.safetensors.*tensor '.*truncated"):
+        load_hf(folder)
+
+
+def test_hf_missing_tensor(tmp_path, tiny):
+    from vkdsl.models.synthetic import write_safetensors
+    folder = _hf_copy(tiny, tmp_path)
+    w = {k: v for k, v in tiny.hf_weights.items() if k != "model.norm.weight"}
+    write_safetensors(folder / "model.safetensors", w, {})
+    with pytest.raises(ModelFileError, match=r"hf: missing tensor 'output_norm\.weight'"):
+        load_hf(folder)
+
+
+def test_config_validation_names_the_keys():
+    good = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
+                vocab_size=300)
+    LlamaConfig(**good)
+    with pytest.raises(ValueError, match=r"n_heads \(4\) must be a multiple of n_kv_heads \(3\)"):
+        LlamaConfig(**dict(good, n_kv_heads=3))
+    with pytest.raises(ValueError, match=r"head_dim must be even"):
+        LlamaConfig(**dict(good, head_dim=15))
+    with pytest.raises(ValueError, match=r"ffn_dim must be a positive int"):
+        LlamaConfig(**dict(good, ffn_dim=0))
+    with pytest.raises(ValueError, match=r"eos_id = 300 is outside"):
+        LlamaConfig(**dict(good, eos_id=300))
+
+
+def test_chat_template_is_sandboxed(tiny):
+    tok = Tokenizer.from_gguf(tiny.gguf_path)
+    tok.chat_template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+    tok.chat_template = "{{ raise_exception('no system role') }}"
+    with pytest.raises(ModelFileError, match="no system role"):
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
