@@ -74,27 +74,32 @@ def causal_mask(T: int) -> Tensor:
     return (q < k).where(-math.inf, 0.0)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Causal self-attention with grouped-query heads.
-    q: (B, T, Hq, D); k, v: (B, T, Hkv, D), Hq a multiple of Hkv (query head h reads kv head
-    h // (Hq/Hkv), as in Llama). mask: optional additive (B, T, T) or (T, T) on top of causality.
-    Returns (B, T, Hq, D)."""
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    if k.shape != (B, T, Hkv, D) or v.shape != k.shape or Hq % Hkv:
-        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}: need k, v (B, T, Hkv, D) "
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True) -> Tensor:
+    """Self-attention with grouped-query heads.
+    q: (B, Tq, Hq, D); k, v: (B, Tk, Hkv, D), Hq a multiple of Hkv (query head h reads kv head
+    h // (Hq/Hkv), as in Llama). causal (Tq == Tk): key j is visible to query i when j <= i.
+    mask: optional additive (B, Tq, Tk) or (Tq, Tk) on top (e.g. a KV cache's unused slots).
+    Returns (B, Tq, Hq, D)."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    if k.shape != (B, Tk, Hkv, D) or v.shape != k.shape or Hq % Hkv:
+        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}: need k, v (B, Tk, Hkv, D) "
                          f"with Hq divisible by Hkv")
+    if causal and Tq != Tk:
+        raise ShapeError(f"attention: a causal mask needs as many keys as queries ({Tq} vs {Tk})")
     g = Hq // Hkv
-    qh = q.reshape(B, T, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * T, D)   # rows: (j, t)
-    kh = k.permute(0, 2, 1, 3)                                                          # (B, Hkv, T, D)
+    qh = q.reshape(B, Tq, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * Tq, D)  # rows: (j, t)
+    kh = k.permute(0, 2, 1, 3)                                                           # (B, Hkv, Tk, D)
     vh = v.permute(0, 2, 1, 3)
-    s = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(D))                             # (B, Hkv, g*T, T)
-    s = s.reshape(B, Hkv, g, T, T) + causal_mask(T)
+    s = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(D))                              # (B, Hkv, g*Tq, Tk)
+    s = s.reshape(B, Hkv, g, Tq, Tk)
+    if causal:
+        s = s + causal_mask(Tq)
     if mask is not None:
-        s = s + (mask.reshape(B, 1, 1, T, T) if mask.ndim == 3 else mask)
-    p = softmax(s, -1).reshape(B, Hkv, g * T, T)
-    o = p @ vh                                                                          # (B, Hkv, g*T, D)
-    return o.reshape(B, Hkv, g, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D)
+        s = s + (mask.reshape(B, 1, 1, Tq, Tk) if mask.ndim == 3 else mask)
+    p = softmax(s, -1).reshape(B, Hkv, g * Tq, Tk)
+    o = p @ vh                                                                           # (B, Hkv, g*Tq, D)
+    return o.reshape(B, Hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
 
 
 def embedding(table: Tensor, ids: Tensor) -> Tensor:

@@ -26,6 +26,15 @@ def clip_by_global_norm(grads, max_norm: float):
     return [g * scale for g in grads], norm
 
 
+def adamw_update(p, g, m, v, lr, c1, c2, b1=0.9, b2=0.999, eps=1e-8, wd=0.0):
+    """One AdamW step as lazy tensors: (new p, new m, new v). c1, c2 = 1/(1-b^t) bias corrections.
+    Decoupled decay: p shrinks by lr*wd*p, not through Adam's normalisation."""
+    m_new = m * b1 + g * (1.0 - b1)
+    v_new = v * b2 + g * g * (1.0 - b2)
+    upd = (m_new * c1) / ((v_new * c2).sqrt() + eps)
+    return p - lr * (upd + p * wd), m_new, v_new
+
+
 class AdamW:
     def __init__(self, params, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
         self.params, self.betas, self.eps, self.wd = list(params), betas, eps, weight_decay
@@ -44,10 +53,8 @@ class AdamW:
         b1, b2 = self.betas
         lr, c1, c2 = scalars[0], scalars[1], scalars[2]
         for p, g, m, v in zip(self.params, grads, self.m, self.v):
-            m_new = m * b1 + g * (1.0 - b1)
-            v_new = v * b2 + g * g * (1.0 - b2)
-            upd = (m_new * c1) / ((v_new * c2).sqrt() + self.eps)
-            p.assign(p - lr * (upd + p * self.wd))      # decoupled: decay is not scaled by Adam
+            p_new, m_new, v_new = adamw_update(p, g, m, v, lr, c1, c2, b1, b2, self.eps, self.wd)
+            p.assign(p_new)
             m.assign(m_new)
             v.assign(v_new)
 

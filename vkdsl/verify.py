@@ -98,11 +98,18 @@ class Row:
 
 
 def run_case(case, arrays) -> list[Row]:
+    from .autograd import grad
     chk = REGISTRY[case["op"]]
-    ins = [Tensor.from_numpy(arrays[n], name=n) for n in case["inputs"]]
+    wants_grad = {int(k[len("grad_in"):]) for k in case["outputs"] if k.startswith("grad_in")}
+    ins = [Tensor.from_numpy(arrays[n], name=n, requires_grad=i in wants_grad)
+           for i, n in enumerate(case["inputs"])]
     try:
         res = chk.build(ins, case["params"])
         outs = res if isinstance(res, dict) else {"out": res}
+        if wants_grad:     # gradients of sum(out * gout) w.r.t. each differentiable input
+            order = sorted(wants_grad)
+            gs = grad(outs["out"], [ins[i] for i in order], upstream=Tensor.from_numpy(arrays[case["upstream"]]))
+            outs.update({f"grad_in{i}": g for i, g in zip(order, gs)})
         got = {k: v.numpy() for k, v in outs.items()}
     except Exception as e:   # a failing kernel is a failed row, not a crashed verify
         return [Row(case["op"], case["name"], "", float("inf"), chk.limit, False, chk.reason,

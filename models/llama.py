@@ -1,0 +1,87 @@
+"""Llama forward pass on the device, built from vkdsl ops.
+
+Weights keep GGUF names, (out, in) shapes and the GGUF Q/K row order (adjacent-pair RoPE).
+Linear layers go through models.weights (packed 4-bit/8-bit kept packed on the device, or
+dense fp32); LoRA adapters are applied beside them and can be switched off per call, so the
+base distribution comes from the same weights in the same step."""
+from __future__ import annotations
+
+import numpy as np
+
+import vkdsl
+from vkdsl import Tensor
+from vkdsl.ops import nn
+
+from .config import LlamaConfig
+from .tensors import LlamaCheckpoint
+from .weights import device_weight, embedding_table
+
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class Llama:
+    def __init__(self, ckpt: LlamaCheckpoint, quant: str = "keep"):
+        """quant: 'keep' keeps each tensor's stored block format (GGUF Q4_0/Q4_1/Q8_0 stay packed);
+        'none' dequantizes to fp32; 'int4' / 'nf4' quantize dense weights on load."""
+        self.cfg: LlamaConfig = ckpt.config
+        self.source = ckpt.source
+        c = self.cfg
+        self.linear = {}
+        for i in range(c.n_layers):
+            for m in LINEARS:
+                name = f"blk.{i}.{m}"
+                self.linear[name] = device_weight(ckpt[name + ".weight"], quant)
+        self.norm = {n: vkdsl.tensor(ckpt[n].dequantize().astype(np.float32), name=n)
+                     for n in ckpt.tensors if n.endswith("_norm.weight")}
+        self.embed = embedding_table(ckpt["token_embd.weight"], quant)
+        self.head = device_weight(ckpt["output.weight"], quant) if "output.weight" in ckpt.tensors \
+            else self.embed.as_linear()
+        self.lora = {}                # module name (blk.{i}.attn_q) -> ops.lora.LoRA
+        cos, sin = nn.rope_tables(np.arange(c.context_length), c.head_dim, c.rope_base)
+        self._cos, self._sin = vkdsl.tensor(cos, name="rope_cos"), vkdsl.tensor(sin, name="rope_sin")
+
+    # ---- memory honesty ----
+    def device_bytes(self) -> dict:
+        """Bytes the weights occupy on the device (from the allocations) vs the same weights in fp32."""
+        ws = list(self.linear.values()) + [self.embed] + ([self.head] if self.head is not self.embed else [])
+        dev = sum(w.device_bytes for w in ws) + sum(t.buffer.nbytes for t in self.norm.values())
+        fp32 = sum(w.fp32_bytes for w in ws) + sum(t.size * 4 for t in self.norm.values())
+        return {"device_bytes": dev, "fp32_bytes": fp32}
+
+    # ---- forward ----
+    def _lin(self, name, x, adapters_on):
+        y = self.linear[name](x)
+        lo = self.lora.get(name)
+        return y + lo.delta(x) if (lo is not None and adapters_on) else y
+
+    def forward(self, ids: Tensor, adapters_on: bool = True, cos=None, sin=None, kv=None, mask=None,
+                hidden_only=False) -> Tensor:
+        """ids: (B, T) int32 -> logits (B, T, vocab).
+        kv: optional list of per-layer (k_cache, v_cache, write) callbacks for generation."""
+        c = self.cfg
+        B, T = ids.shape
+        H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        if cos is None:
+            if T > c.context_length:
+                raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
+            cos, sin = self._cos[:T], self._sin[:T]
+        x = self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
+        for i in range(c.n_layers):
+            p = f"blk.{i}."
+            h = nn.rmsnorm(x, self.norm[p + "attn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
+            q = nn.rope(self._lin(p + "attn_q", h, adapters_on).reshape(B, T, H, D), cos, sin)
+            k = nn.rope(self._lin(p + "attn_k", h, adapters_on).reshape(B, T, KV, D), cos, sin)
+            v = self._lin(p + "attn_v", h, adapters_on).reshape(B, T, KV, D)
+            if kv is not None:
+                k, v = kv[i](k, v)                     # full cache (B, L, KV, D) incl. this step
+                a = nn.attention(q, k, v, mask=mask, causal=False)
+            else:
+                a = nn.attention(q, k, v, mask=mask)
+            x = x + self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on).reshape(B, T, c.dim)
+            h = nn.rmsnorm(x, self.norm[p + "ffn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
+            f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
+            x = x + self._lin(p + "ffn_down", f, adapters_on).reshape(B, T, c.dim)
+        x = nn.rmsnorm(x, self.norm["output_norm.weight"], c.norm_eps)
+        if hidden_only:
+            return x
+        return self.head(x.reshape(B * T, c.dim)).reshape(B, T, c.vocab_size)

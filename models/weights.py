@@ -1,0 +1,47 @@
+"""Weights on the device. A linear weight W (out, in) computes x @ W^T; quantized formats
+stay packed and are dequantized inside the matmul shader (see vkdsl.quant)."""
+from __future__ import annotations
+
+import numpy as np
+
+import vkdsl
+from vkdsl import Tensor
+
+from .tensors import TensorRecord
+
+
+class Dense:
+    """fp32 weight (out, in) on the device."""
+
+    def __init__(self, w: np.ndarray, name: str = ""):
+        self.W = vkdsl.tensor(np.ascontiguousarray(w, np.float32), name=name)
+        self.shape = w.shape
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return x @ self.W.T               # a transposed operand is a flag, not a copy
+
+    def rows(self, ids: Tensor) -> Tensor:
+        return self.W.gather(ids)
+
+    def as_linear(self):
+        return self
+
+    @property
+    def device_bytes(self):
+        return self.W.buffer.nbytes
+
+    @property
+    def fp32_bytes(self):
+        return int(np.prod(self.shape)) * 4
+
+
+def device_weight(rec: TensorRecord, quant: str = "keep"):
+    from . import quantized
+    return quantized.make_linear(rec, quant) if quantized.wants_packed(rec, quant) else \
+        Dense(rec.dequantize(), rec.name)
+
+
+def embedding_table(rec: TensorRecord, quant: str = "keep"):
+    from . import quantized
+    return quantized.make_table(rec, quant) if quantized.wants_packed(rec, quant) else \
+        Dense(rec.dequantize(), rec.name)
