@@ -193,5 +193,132 @@ def demo(device):
     _demo()
 
 
+# ---- models -------------------------------------------------------------------------------
+def _model_option(f):
+    return click.option("--model", "model_path", default=None, metavar="PATH",
+                        help="GGUF file or Hugging Face folder (default: the installed SmolLM2-135M-Instruct)")(f)
+
+
+def _load_model(model_path, quant="keep", adapter=None, force=False):
+    from vkdsl.models import ModelFileError, load_model_files
+    from vkdsl.models.default import default_model_path
+    from vkdsl.models.llama import Llama
+    try:
+        path = model_path or default_model_path()
+        ck, tok = load_model_files(path)
+        model = Llama(ck, quant=quant)
+        if adapter:
+            from vkdsl.train.adapters import load_adapter
+            load_adapter(model, adapter, tok, force=force)
+    except (ModelFileError, FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e))
+    return model, tok
+
+
+def _prompt_ids(tok, prompt, chat):
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True) \
+        if chat else prompt
+    return tok.encode(text)
+
+
+@main.command()
+@_model_option
+@click.argument("text")
+def tokenize(model_path, text):
+    """Print the token ids of TEXT as a JSON list."""
+    from vkdsl.models import load_tokenizer
+    from vkdsl.models.default import default_model_path
+    tok = load_tokenizer(model_path or default_model_path())
+    click.echo(json.dumps(tok.encode(text)))
+
+
+@main.command()
+@_device_option
+@_model_option
+@click.option("--prompt", required=True)
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="FILE.npy")
+@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@click.option("--adapter", default=None, help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")
+@click.option("--force", is_flag=True, help="apply an adapter whose manifest names another base")
+def logits(device, model_path, prompt, out, chat, adapter, force):
+    """Write the logits of every prompt position (float32, [tokens, vocab]) to FILE.npy."""
+    import vkdsl
+    _open(device)
+    model, tok = _load_model(model_path, adapter=adapter, force=force)
+    ids = _prompt_ids(tok, prompt, chat)
+    if not ids:
+        raise click.ClickException("the prompt tokenizes to no tokens")
+    if len(ids) > model.cfg.context_length:
+        raise click.ClickException(f"the prompt is {len(ids)} tokens; the model's context is "
+                                   f"{model.cfg.context_length}")
+    lg = vkdsl.trace(lambda x: model.forward(x))(np.array([ids], np.int32))[0]
+    from vkdsl.compiler.cache import atomic_write
+    import io
+    buf = io.BytesIO()
+    np.save(buf, lg.astype(np.float32))
+    atomic_write(out, buf.getvalue())
+    click.echo(f"wrote logits {lg.shape} to {out}")
+
+
+@main.command()
+@_device_option
+@_model_option
+@click.option("--prompt", required=True)
+@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--stats", is_flag=True, help="report speed and the weights' device memory")
+@click.option("--adapter", default=None, help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")
+@click.option("--force", is_flag=True, help="apply an adapter whose manifest names another base")
+def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_p, seed, stats, adapter, force):
+    """Generate text (greedy by default) with a KV cache."""
+    from vkdsl.models.generate import Generator
+    _open(device)
+    model, tok = _load_model(model_path, adapter=adapter, force=force)
+    ids = _prompt_ids(tok, prompt, chat)
+    try:
+        gen = Generator(model, len(ids) + max_new_tokens)
+    except ValueError as e:
+        raise click.ClickException(str(e))
+    if not chat:
+        click.echo(prompt, nl=False)
+    text_so_far = []
+
+    def show(t):
+        text_so_far.append(t)
+        piece = tok.decode(text_so_far)
+        prev = tok.decode(text_so_far[:-1])
+        click.echo(piece[len(prev):], nl=False)
+    stop = {tok.eos_id} if tok.eos_id is not None else set()
+    out, st = gen.generate(ids, max_new_tokens, temperature, top_p, seed, stop=stop, on_token=show)
+    click.echo()
+    if stats:
+        mem = model.device_bytes()
+        click.echo(f"[{st['prompt_tokens']} prompt tokens in {st['prefill_s']:.2f} s (includes first-call "
+                   f"compile); {st['new_tokens']} new tokens at {st['new_tokens'] / max(st['decode_s'], 1e-9):.1f} "
+                   f"tokens/s; weights on device {mem['device_bytes'] / 2**20:.1f} MiB vs "
+                   f"{mem['fp32_bytes'] / 2**20:.1f} MiB as fp32]", err=True)
+
+
+@main.command()
+@_device_option
+@_model_option
+@click.option("--json", "as_json", is_flag=True)
+def info(device, model_path, as_json):
+    """Model hyper-parameters and the bytes its weights occupy on the device vs fp32."""
+    _open(device, announce=not as_json)
+    model, tok = _load_model(model_path)
+    mem = model.device_bytes()
+    row = {"model": model.source, **model.cfg.to_dict(), **mem}
+    if as_json:
+        click.echo(json.dumps(row, default=str))
+    else:
+        for k, v in row.items():
+            click.echo(f"{k:>18}: {v}")
+        click.echo(f"{'ratio':>18}: {mem['device_bytes'] / mem['fp32_bytes']:.3f} of fp32")
+
+
 if __name__ == "__main__":
     main()

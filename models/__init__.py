@@ -22,7 +22,17 @@ def load_checkpoint(path: str | os.PathLike) -> LlamaCheckpoint:
     return load_hf(path) if Path(path).is_dir() else load_gguf(path)
 
 
+def load_model_files(path: str | os.PathLike) -> tuple[LlamaCheckpoint, Tokenizer]:
+    """Checkpoint and tokenizer, reading a GGUF file once."""
+    if Path(path).is_dir():
+        ck = load_hf(path)
+        return ck, load_tokenizer(path, expected_vocab=ck.config.vocab_size)
+    reader = open_gguf(path)
+    ck = load_gguf(path, reader)
+    return ck, load_tokenizer(path, expected_vocab=ck.config.vocab_size, reader=reader)
+
+
 __all__ = ["LlamaConfig", "ModelFileError", "LlamaCheckpoint", "TensorRecord", "SUPPORTED_TYPES",
-           "Tokenizer", "load_tokenizer", "load_checkpoint", "load_gguf", "load_hf", "open_gguf",
+           "Tokenizer", "load_tokenizer", "load_checkpoint", "load_model_files", "load_gguf", "load_hf", "open_gguf",
            "config_from_gguf", "config_from_hf", "expected_shapes", "hf_to_gguf_rows",
            "gguf_to_hf_rows", "hf_name_to_gguf", "gguf_name_to_hf"]

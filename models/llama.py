@@ -57,7 +57,7 @@ class Llama:
     def forward(self, ids: Tensor, adapters_on: bool = True, cos=None, sin=None, kv=None, mask=None,
                 hidden_only=False) -> Tensor:
         """ids: (B, T) int32 -> logits (B, T, vocab).
-        kv: optional list of per-layer (k_cache, v_cache, write) callbacks for generation."""
+        kv: optional KV cache (models.generate.KVCache) for generation."""
         c = self.cfg
         B, T = ids.shape
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
@@ -73,8 +73,8 @@ class Llama:
             k = nn.rope(self._lin(p + "attn_k", h, adapters_on).reshape(B, T, KV, D), cos, sin)
             v = self._lin(p + "attn_v", h, adapters_on).reshape(B, T, KV, D)
             if kv is not None:
-                k, v = kv[i](k, v)                     # full cache (B, L, KV, D) incl. this step
-                a = nn.attention(q, k, v, mask=mask, causal=False)
+                k, v, causal = kv.layer(i, k, v)       # a KV cache may substitute its keys/values
+                a = nn.attention(q, k, v, mask=mask, causal=causal)
             else:
                 a = nn.attention(q, k, v, mask=mask)
             x = x + self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on).reshape(B, T, c.dim)

@@ -182,10 +182,12 @@ class Tokenizer:
                    chat_template=template, source=folder)
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Tokenizer from a .gguf file or a HF folder."""
+def load_tokenizer(path: str | os.PathLike, expected_vocab: int | None = None, reader=None) -> Tokenizer:
+    """Tokenizer from a .gguf file (or its open reader) or a HF folder."""
     path = Path(path)
-    return Tokenizer.from_hf(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    if path.is_dir():
+        return Tokenizer.from_hf(path, expected_vocab=expected_vocab)
+    return Tokenizer.from_gguf(reader if reader is not None else path, expected_vocab=expected_vocab)
 
 
 def _check_vocab(n_tokens: int, expected: int | None, path: Path) -> None:

@@ -40,6 +40,14 @@ class Emitter:
         self.lines.append(f"  {ty} t{self.n} = {expr};")
         return f"t{self.n}"
 
+    def index(self, expr):
+        """Name a non-trivial index expression, so nested views cannot blow up the source."""
+        if expr.isidentifier() or expr.endswith("u") and expr[:-1].isdigit():
+            return expr
+        self.n += 1
+        self.lines.append(f"  uint t{self.n} = {expr};")
+        return f"t{self.n}"
+
     def emit(self, t, idx):
         key = (id(t), tuple(idx))
         if key in self.memo:
@@ -72,9 +80,9 @@ class Emitter:
                 inv[a] = idx[i]
             return self.emit(src, inv)
         if op == "slice":
-            return self.emit(src, [i if a == 0 else f"({i} + {a}u)" for i, a in zip(idx, t.arg)])
+            return self.emit(src, [i if a == 0 else self.index(f"{i} + {a}u") for i, a in zip(idx, t.arg)])
         if op == "reshape":
-            return self.emit(src, reshape_index(idx, t.shape, src.shape))
+            return self.emit(src, [self.index(e) for e in reshape_index(idx, t.shape, src.shape)])
         if op == "pad":
             # Clamp the index so the load stays in bounds, then select zero outside the source.
             inside, cidx = [], []
@@ -83,7 +91,7 @@ class Emitter:
                     cidx.append(i)
                     continue
                 inside.append(f"({i} >= {a}u && {i} < {a + s}u)")
-                cidx.append(f"min(uint(max(int({i}) - {a}, 0)), {max(s - 1, 0)}u)")
+                cidx.append(self.index(f"min(uint(max(int({i}) - {a}, 0)), {max(s - 1, 0)}u)"))
             v = self.emit(src, cidx)
             return self.tmp(f"({' && '.join(inside) or 'true'}) ? {v} : 0.0")
         raise NotImplementedError(f"cannot fuse op {op} into an elementwise kernel")

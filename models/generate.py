@@ -1,0 +1,109 @@
+"""Text generation with a KV cache: one traced prefill per prompt-length bucket, then one
+traced single-token step replayed per new token."""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+import vkdsl
+from vkdsl import Tensor
+from vkdsl.ops import nn
+
+BUCKET = 64          # prompt lengths round up to this, so a few recorded programs serve all prompts
+
+
+class KVCache:
+    """Per-layer key/value caches (1, L, KV, D) living on the device between calls."""
+
+    def __init__(self, cfg, length: int):
+        self.L = length
+        shape = (1, length, cfg.n_kv_heads, cfg.head_dim)
+        self.k = [vkdsl.tensor(np.zeros(shape, np.float32), name=f"k_cache{i}") for i in range(cfg.n_layers)]
+        self.v = [vkdsl.tensor(np.zeros(shape, np.float32), name=f"v_cache{i}") for i in range(cfg.n_layers)]
+        self.onehot = None          # (L,) position of the token being decoded; None during prefill
+
+    def layer(self, i, k, v):
+        if self.onehot is None:     # prefill: write rows 0..T-1, attend causally within the prompt
+            T = k.shape[1]
+            pad = ((0, 0), (0, self.L - T), (0, 0), (0, 0))
+            self.k[i].assign(k.pad(pad))
+            self.v[i].assign(v.pad(pad))
+            return k, v, True
+        sel = self.onehot.reshape(1, self.L, 1, 1)
+        k_all = self.k[i] * (1.0 - sel) + k * sel          # (1, L, KV, D), this step's row replaced
+        v_all = self.v[i] * (1.0 - sel) + v * sel
+        self.k[i].assign(k_all)
+        self.v[i].assign(v_all)
+        return k_all, v_all, False
+
+
+class Generator:
+    def __init__(self, model, max_len: int):
+        self.model, self.cfg = model, model.cfg
+        if max_len > self.cfg.context_length:
+            raise ValueError(f"prompt + new tokens = {max_len} exceed the model's context of "
+                             f"{self.cfg.context_length} tokens")
+        self.L = min(self.cfg.context_length, BUCKET * math.ceil(max_len / BUCKET))
+        self.cache = KVCache(self.cfg, self.L)
+        c = self.cfg
+
+        def prefill(ids):                                   # ids (1, Tb)
+            self.cache.onehot = None
+            return self.model.forward(ids, kv=self.cache)
+
+        def step(ids, cos, sin, onehot, mask):             # ids (1, 1); onehot, mask (L,)
+            self.cache.onehot = onehot
+            return self.model.forward(ids, cos=cos, sin=sin, kv=self.cache, mask=mask.reshape(1, 1, self.L))
+        self._prefill, self._step = vkdsl.trace(prefill), vkdsl.trace(step)
+        cos, sin = nn.rope_tables(np.arange(self.L), c.head_dim, c.rope_base)
+        self._cos, self._sin = cos, sin
+
+    def logits_prefill(self, ids: list[int]) -> np.ndarray:
+        T = len(ids)
+        Tb = min(self.L, BUCKET * math.ceil(T / BUCKET))
+        padded = np.zeros((1, Tb), np.int32)
+        padded[0, :T] = ids                                 # right padding: causal rows < T never see it
+        return self._prefill(padded)[0, :T]
+
+    def logits_step(self, token: int, pos: int) -> np.ndarray:
+        onehot = np.zeros(self.L, np.float32)
+        onehot[pos] = 1.0
+        mask = np.where(np.arange(self.L) <= pos, 0.0, -np.inf).astype(np.float32)
+        out = self._step(np.array([[token]], np.int32), self._cos[pos:pos + 1], self._sin[pos:pos + 1],
+                         onehot, mask)
+        return out[0, 0]
+
+    def generate(self, ids: list[int], max_new: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, stop: set | None = None, on_token=None):
+        """Returns (new ids, stats). Greedy when temperature == 0."""
+        rng = np.random.default_rng(seed)
+        t0 = time.perf_counter()
+        logits = self.logits_prefill(ids)[-1]
+        t_prefill = time.perf_counter() - t0
+        out, pos = [], len(ids)
+        t1 = time.perf_counter()
+        for _ in range(max_new):
+            nxt = sample(logits, temperature, top_p, rng)
+            out.append(nxt)
+            if on_token:
+                on_token(nxt)
+            if (stop and nxt in stop) or pos >= self.L:
+                break
+            logits = self.logits_step(nxt, pos)
+            pos += 1
+        t_gen = time.perf_counter() - t1
+        return out, {"prompt_tokens": len(ids), "new_tokens": len(out), "prefill_s": t_prefill, "decode_s": t_gen}
+
+
+def sample(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = order[: int(np.searchsorted(np.cumsum(p[order]), top_p) + 1)]
+    q = p[keep] / p[keep].sum()
+    return int(rng.choice(keep, p=q))
