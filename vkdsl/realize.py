@@ -179,16 +179,7 @@ def _record_matmul(rec, node, out, abuf, bbuf):
     a, b = node.src
     M, N = node.shape[-2:]
     K = a.shape[-2] if ta else a.shape[-1]
-    try:
-        from .matmul import plan_matmul, record_matmul
-    except ImportError:
-        import struct
-        from .compiler import compile_glsl, kernel_source
-        k = get_kernel(rec.device, "naive_matmul", compile_glsl("naive_matmul", kernel_source("naive_matmul.comp")),
-                       3, 32, (8, 8, 1))
-        rec.dispatch(k, [out, abuf, bbuf], (-(-N // 8), -(-M // 8), nb),
-                     struct.pack("8I", M, N, K, ta, tb, M * K if ba > 1 else 0, K * N if bb > 1 else 0, M * N))
-        return
+    from .matmul import plan_matmul, record_matmul
     p = plan_matmul(rec.device, M=M, N=N, K=K, batch=nb, ta=ta, tb=tb,
                     batch_stride_a=M * K if ba > 1 else 0, batch_stride_b=K * N if bb > 1 else 0)
     record_matmul(rec, p, out, abuf, bbuf)

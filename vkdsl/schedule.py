@@ -111,20 +111,14 @@ def leaves_of(t: Tensor, mat: set) -> list[Tensor]:
 
 
 def _identity_reads(value, target):
-    """True when every path from value to target passes only elementwise ops (same index)."""
-    ok = True
-
-    def visit(n):
-        nonlocal ok
-        if n is target:
-            return
-        if n.op in VIEWS and target in walk([n]):
-            ok = False
-            return
-        for s in n.src:
-            visit(s)
-    visit(value)
-    return ok
+    """True when no view lies between value and target: every read of target in the fused
+    expression is at the element being written, so the write can happen in place."""
+    nodes = walk([value])
+    reaches = set()                     # nodes from which target can be reached
+    for n in nodes:                     # sources come first
+        if n is target or any(id(s) in reaches for s in n.src):
+            reaches.add(id(n))
+    return not any(n.op in VIEWS and id(n.src[0]) in reaches for n in nodes)
 
 
 def _check_assign_order(steps):

@@ -1,0 +1,78 @@
+// Shared-memory tiled matmul for GPUs. A workgroup of (BN/TN) x (BM/TM) threads computes a BM x BN
+// block of C, staging BK-deep slices of op(A) and op(B) in shared memory; each thread keeps a TM x TN
+// register tile on a strided grid (thread tx owns columns tx, tx + BN/TN, ...), so shared reads and
+// C stores of neighbouring threads are neighbouring addresses. Loads are scalar and bounds-checked
+// (zero outside), so any shape and alignment works.
+shared float sa[BK][BM + 1];   // +1: column-wise stores of a transposed slice avoid bank conflicts
+shared float sb[BK][BN + 1];
+layout(std430, binding = 0) writeonly buffer CBuf { float c_data[]; };
+
+float load_a(uint a0, uint m, uint k) {      // op(A)[m, k]
+    if (m >= pc.M || k >= pc.K) return 0.0;
+#if TA == 0
+    return a_data[a0 + m * pc.K + k];
+#else
+    return a_data[a0 + k * pc.M + m];
+#endif
+}
+
+#ifndef CUSTOM_LOAD_B
+float load_b(uint b0, uint k, uint n) {      // op(B)[k, n]
+    if (k >= pc.K || n >= pc.N) return 0.0;
+#if TB == 0
+    return b_data[b0 + k * pc.N + n];
+#else
+    return b_data[b0 + n * pc.K + k];
+#endif
+}
+#endif
+
+void main() {
+    const uint nthreads = gl_WorkGroupSize.x * gl_WorkGroupSize.y;
+    const uint tid = gl_LocalInvocationIndex;
+    const uint tx = gl_LocalInvocationID.x, ty = gl_LocalInvocationID.y;
+    const uint m0 = gl_WorkGroupID.y * BM, n0 = gl_WorkGroupID.x * BN;
+    const uint z = gl_WorkGroupID.z;
+    const uint a0 = z * pc.stride_a, b0 = z * pc.stride_b;
+
+    float acc[TM][TN];
+    [[unroll]] for (int i = 0; i < TM; i++) [[unroll]] for (int j = 0; j < TN; j++) acc[i][j] = 0.0;
+
+    for (uint k0 = 0; k0 < pc.K; k0 += BK) {
+        // consecutive threads read consecutive addresses of the stored layout
+        for (uint e = tid; e < BM * BK; e += nthreads) {
+#if TA == 0
+            const uint r = e / BK, kk = e % BK;
+#else
+            const uint kk = e / BM, r = e % BM;
+#endif
+            sa[kk][r] = load_a(a0, m0 + r, k0 + kk);
+        }
+        for (uint e = tid; e < BN * BK; e += nthreads) {
+#if TB == 0
+            const uint kk = e / BN, c = e % BN;
+#else
+            const uint c = e / BK, kk = e % BK;
+#endif
+            sb[kk][c] = load_b(b0, k0 + kk, n0 + c);
+        }
+        barrier();
+        [[unroll]] for (int kk = 0; kk < BK; kk++) {
+            float a[TM], b[TN];
+            [[unroll]] for (int i = 0; i < TM; i++) a[i] = sa[kk][ty + i * (BM / TM)];
+            [[unroll]] for (int j = 0; j < TN; j++) b[j] = sb[kk][tx + j * (BN / TN)];
+            [[unroll]] for (int i = 0; i < TM; i++)
+                [[unroll]] for (int j = 0; j < TN; j++) acc[i][j] = fma(a[i], b[j], acc[i][j]);
+        }
+        barrier();
+    }
+
+    const uint c0 = z * pc.stride_c;
+    [[unroll]] for (int i = 0; i < TM; i++) {
+        const uint row = m0 + ty + i * (BM / TM);
+        [[unroll]] for (int j = 0; j < TN; j++) {
+            const uint col = n0 + tx + j * (BN / TN);
+            if (row < pc.M && col < pc.N) c_data[c0 + row * pc.N + col] = acc[i][j];
+        }
+    }
+}
