@@ -1,0 +1,86 @@
+"""The vkdsl command as a user runs it: devices, verify, bench, compile --bundle and running
+from a bundle on a machine with no shader compiler."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+VKDSL = [sys.executable, "-m", "vkdsl.cli"]
+
+
+def run(args, env=None, check=True, timeout=600):
+    p = subprocess.run(VKDSL + args, capture_output=True, text=True, env=env, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"vkdsl {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def test_devices_json_lists_limits():
+    rows = [json.loads(l) for l in run(["devices", "--json"]).stdout.splitlines()]
+    assert rows and sum(r["default"] for r in rows) == 1
+    for r in rows:
+        assert r["max_storage_buffer_range"] > 0 and r["subgroup_size"] >= 1 and r["heaps"]
+
+
+def test_missing_device_is_an_error_listing_devices():
+    p = run(["verify", "--device", "no-such-gpu"], check=False)
+    assert p.returncode != 0 and "devices present" in p.stderr
+
+
+def test_verify_json_rows_pass():
+    out = run(["verify", "--json", "--match", "["]).stdout.splitlines()
+    rows = [json.loads(l) for l in out]
+    summary = rows.pop()
+    assert summary["summary"] and summary["failed"] == 0 and summary["rows"] == len(rows) > 200
+    ops = {r["op"] for r in rows}
+    for op in ["add", "exp", "sum", "matmul", "gather", "softmax", "cross_entropy", "attention", "tmkl", "dpo"]:
+        assert op in ops
+    for r in rows:
+        assert r["passed"] and r["error"] <= r["limit"] and r["reason"]
+
+
+def test_verify_fails_on_a_corrupted_golden(tmp_path, monkeypatch):
+    """A golden whose checksum does not match is an error, never a silent pass."""
+    from vkdsl.golden import store
+    src = store.data_dir(1)
+    dst = tmp_path / "v1"
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    victim = next(dst.glob("exp_*.npz"))
+    data = bytearray(victim.read_bytes())
+    data[-20] ^= 1
+    victim.write_bytes(bytes(data))
+    with pytest.raises(store.GoldenError, match="sha256 mismatch"):
+        for c in store.iter_cases(1, root=tmp_path):
+            store.load_case(c)
+
+
+def test_bench_replay_json():
+    r = json.loads(run(["bench", "replay", "--json"]).stdout)
+    assert r["dispatches"] == 1000 and r["max_abs_error"] < 1e-4 and r["ratio"] > 0
+
+
+def test_bench_matmul_json_small():
+    rows = [json.loads(l) for l in run(["bench", "matmul", "--json", "--sizes", "64,128"]).stdout.splitlines()]
+    assert [r["size"] for r in rows] == [64, 128]
+    assert all(r["device_gflops"] > 0 and r["numpy_gflops"] > 0 for r in rows)
+
+
+def test_bundle_runs_without_any_shader_compiler(tmp_path):
+    bundle = tmp_path / "bundle"
+    out = run(["compile", "--bundle", str(bundle)]).stdout
+    assert "wrote" in out and (bundle / "index.json").is_file()
+    env = dict(os.environ, VKDSL_COMPILER="none", VKDSL_SPIRV_BUNDLE=str(bundle),
+               VKDSL_CACHE_DIR=str(tmp_path / "empty-cache"),
+               PATH=os.path.dirname(sys.executable))          # no glslc / glslangValidator on PATH
+    p = run(["verify", "--match", "matmul"], env=env)
+    assert "FAIL" not in p.stdout
+    run(["demo"], env=env)
+    assert not (tmp_path / "empty-cache").exists() or not any((tmp_path / "empty-cache").iterdir())
+    # and without the bundle the same machine cannot build kernels: a clear error, not a crash
+    env.pop("VKDSL_SPIRV_BUNDLE")
+    p = run(["demo"], env=env, check=False)
+    assert p.returncode != 0 and "no shader compiler is available" in p.stderr
