@@ -129,6 +129,19 @@ def bench_replay(device, as_json):
                f"ratio {r['ratio']:.2f} ({r['per_dispatch_us']:.1f} us per dispatch)")
 
 
+@bench.command("model")
+@_device_option
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--model", "model_path", default=None, metavar="PATH")
+def bench_model(device, as_json, model_path):
+    """SmolLM2 prompt processing and generation tokens/s beside a numpy float32 forward."""
+    _open(device, announce=not as_json)
+    from vkdsl.models.bench import bench_model as run
+    for r in run(model_path):
+        click.echo(json.dumps(r) if as_json else "  ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
 @main.command("compile")
 @_device_option
 @click.option("--bundle", "bundle", required=True, type=click.Path(file_okay=False),

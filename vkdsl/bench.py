@@ -72,3 +72,37 @@ def bench_replay(n_dispatches: int = 1000, size: int = 256):
     rec.release()
     return {"dispatches": len(prog.steps), "replay_us": replay_t * 1e6, "raw_us": raw_t * 1e6,
             "ratio": replay_t / raw_t, "per_dispatch_us": raw_t / len(prog.steps) * 1e6, "max_abs_error": err}
+
+
+def profile(prog, top: int = 15):
+    """Time each step of a recorded program on its own (one submit per step): where the time goes."""
+    from collections import defaultdict
+
+    from .realize import _generated_kernel, _record_matmul
+    from .runtime import Recording
+    totals, counts = defaultdict(float), defaultdict(int)
+    dev = prog.dev
+    for s in prog.steps:
+        if s.kind == "assign":
+            continue
+        rec = Recording(dev, 8, label="profile")
+        out = prog.buffer_of(s.node)
+        if s.kind == "matmul":
+            _record_matmul(rec, s.node, out, *[prog.buffer_of(x) for x in s.node.src])
+            key = f"matmul {s.node.shape}"
+        elif s.kind == "custom":
+            s.node.arg.record(rec, out, [prog.buffer_of(x) for x in s.node.src])
+            key = f"{s.node.arg.name} {s.node.shape}"
+        else:
+            k, groups = _generated_kernel(dev, s, prog.buffer_of)
+            rec.dispatch(k, [out] + [prog.buffer_of(i) for i in s.inputs], groups)
+            key = f"{s.kind} {k.name}"
+        rec.finish()
+        rec.submit_wait()
+        t = time.perf_counter()
+        rec.submit_wait()
+        totals[key] += time.perf_counter() - t
+        counts[key] += 1
+        rec.release()
+    rows = sorted(totals.items(), key=lambda kv: -kv[1])
+    return [(k, counts[k], v) for k, v in rows[:top]], sum(totals.values())
