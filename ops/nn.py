@@ -74,7 +74,19 @@ def causal_mask(T: int) -> Tensor:
     return (q < k).where(-math.inf, 0.0)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True,
+              fused: bool = True) -> Tensor:
+    """Grouped-query attention (see attention_composed for the contract). fused: the streaming
+    kernel (kernels/attention.comp) for the forward; its gradient is the composite's."""
+    B, Tq, Hq, D = q.shape
+    if fused and D % 4 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B and Hq % k.shape[2] == 0 \
+            and v.shape == k.shape and (not causal or Tq == k.shape[1]):
+        from .attention_kernel import fused_attention
+        return fused_attention(q, k, v, mask, causal)
+    return attention_composed(q, k, v, mask, causal)
+
+
+def attention_composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True) -> Tensor:
     """Self-attention with grouped-query heads.
     q: (B, Tq, Hq, D); k, v: (B, Tk, Hkv, D), Hq a multiple of Hkv (query head h reads kv head
     h // (Hq/Hkv), as in Llama). causal (Tq == Tk): key j is visible to query i when j <= i.

@@ -120,11 +120,12 @@ def grad(loss: Tensor, params, upstream: Tensor | None = None) -> list[Tensor]:
         if not p.requires_grad:
             raise ValueError(f"grad: {p} does not require a gradient (frozen tensors get none)")
     grads = {id(loss): upstream if upstream is not None else Tensor.const(1.0, loss.shape)}
+    wanted, found = {id(p) for p in params}, {}
     for t in reversed(_topo(loss)):
         g = grads.pop(id(t), None)
+        if g is not None and id(t) in wanted:
+            found[id(t)] = g            # params may be inner nodes too (a custom op's inputs)
         if g is None or not t.src:
-            if g is not None:
-                grads[id(t)] = g        # a leaf keeps its gradient for the caller
             continue
         rule = GRADIENTS.get(t.op)
         if rule is None:
@@ -135,7 +136,7 @@ def grad(loss: Tensor, params, upstream: Tensor | None = None) -> list[Tensor]:
             if gs.shape != s.shape:
                 raise RuntimeError(f"internal: gradient rule for {t.op} gave {gs.shape} for a {s.shape} source")
             grads[id(s)] = grads[id(s)] + gs if id(s) in grads else gs
-    return [grads.get(id(p), Tensor.zeros(p.shape)) for p in params]
+    return [found.get(id(p), Tensor.zeros(p.shape)) for p in params]
 
 
 def scatter_add(g: Tensor, idx: Tensor, n_rows: int) -> Tensor:
