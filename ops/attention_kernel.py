@@ -24,10 +24,7 @@ class FusedAttention(CustomOp):
         k = get_kernel(rec.device, self.name, compile_glsl(self.name, kernel_source("attention.comp"), {"D": D}),
                        5, struct.calcsize(PUSH), (64, 1, 1))
         mask = srcs[3] if self.has_mask else srcs[0]      # an unused binding still needs a buffer
-        n = B * Tq * Hq
-        gx = -(-n // 64)
-        lim = rec.device.limits.max_workgroup_count[0]
-        groups = (gx, 1, 1) if gx <= lim else (lim, -(-gx // lim), 1)
+        groups = (-(-Tq // 64), Hq, B)          # a workgroup = 64 queries of one (batch, head)
         rec.dispatch(k, [out, srcs[0], srcs[1], srcs[2], mask], groups,
                      struct.pack(PUSH, B, Tq, Tk, Hq, Hkv, int(self.causal), int(self.has_mask),
                                  1.0 / math.sqrt(D)))
