@@ -320,6 +320,9 @@ def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int):
     return f"qmatmul_{form}_{f.name}_lvp_v{vec}s{sv}", d, t["LOCAL"], ly * t["TM"], lx * t["TN"]
 
 
+MV_ROWS = 4          # up to this many rows of X use the matrix-vector kernel (qmatvec.comp)
+
+
 def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: int = 1,
                  batch_stride_x: int | None = None, variant: str | None = None) -> QuantPlan:
     """Matmul with a quantized N x K weight W (dequantized in the shader):
@@ -334,6 +337,13 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     sx = rows * red if batch_stride_x is None else int(batch_stride_x)
     sc = rows * cols
     variant = variant or default_variant(dev)
+    if form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0:
+        # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
+        name = f"qmatvec_{f.name}"
+        kernel = _kernel(dev, "qmatvec.comp", name, dict(f.defines, MV_ROWS=MV_ROWS), 2 + len(f.arrays),
+                         PUSH_FORMAT, (64, 1, 1))
+        return QuantPlan(name=name, kernel=kernel, groups=_grid(N), push=struct.pack(PUSH_FORMAT, M, N, K, 0, 0, 0),
+                         fmt=f.name, N=N, K=K, bytes_x=4 * M * K, bytes_c=4 * M * N, flops=2 * M * N * K)
     vec = _widest([red, sx], lvp_widths(dev))
     name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1)
     kernel = _kernel(dev, "qmatmul.comp", name, defines, 2 + len(f.arrays), PUSH_FORMAT, local)

@@ -1,0 +1,39 @@
+#version 450
+// Few-row quantized matmul (decode: M <= MV_ROWS): C (M x N) = X (M x K) . W^T. One invocation
+// per output column n walks W's row n in 32-element ranges; the X values it multiplies are the
+// same for every lane (uniform loads), so a whole row of W streams through once for all M rows.
+// Bindings: 0 = C, 1 = X, 2.. = the format's arrays. MatmulPush: M, N, K (rest unused).
+#extension GL_EXT_control_flow_attributes : require
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+#include "matmul_common.glsl"
+layout(std430, binding = 0) writeonly buffer C_ { float c_out[]; };
+layout(std430, binding = 1) readonly buffer X_ { vec4 x_in[]; };
+#define QB0 2
+#include "quant_formats.glsl"
+
+void main() {
+    const uint n = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    const uint M = pc.M, N = pc.N, K = pc.K;
+    const uint nn = min(n, N - 1u);          // clamp: spare lanes read a valid row, store nothing
+    float acc[MV_ROWS];
+    [[unroll]] for (int m = 0; m < MV_ROWS; m++) acc[m] = 0.0;
+    for (uint r = 0u; r < K / 32u; r++) {
+        Q32 q;
+        q32_load(nn, r, K, q);
+        float w[32];
+        [[unroll]] for (int e = 0; e < 32; e++) w[e] = q32_get(q, e);
+        [[unroll]] for (int m = 0; m < MV_ROWS; m++) {
+            if (uint(m) < M) {
+                const uint xb = (uint(m) * K + 32u * r) / 4u;
+                vec4 s = vec4(0.0);
+                [[unroll]] for (int v = 0; v < 8; v++)
+                    s += x_in[xb + v] * vec4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
+                acc[m] += s.x + s.y + s.z + s.w;
+            }
+        }
+    }
+    if (n < N) {
+        [[unroll]] for (int m = 0; m < MV_ROWS; m++)
+            if (uint(m) < M) c_out[m * N + n] = acc[m];
+    }
+}
