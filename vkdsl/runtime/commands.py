@@ -59,6 +59,7 @@ class Recording:
             raise ValueError(f"kernel {kernel.name}: {groups} workgroups exceed the device limit {lim}")
         if 0 in groups:
             return
+        self._keep.extend(buffers)         # a recorded buffer must outlive the recording
         writes = [0] if writes is None else writes
         wb = [buffers[i].handle for i in writes]
         rb = [b.handle for i, b in enumerate(buffers) if i not in writes]
@@ -81,6 +82,7 @@ class Recording:
         self.n_dispatches += 1
 
     def copy(self, src, dst, nbytes: int):
+        self._keep.extend((src, dst))
         self._hazard([src.handle], [dst.handle])
         vk.vkCmdCopyBuffer(self.cmd, src.handle, dst.handle, 1, [vk.VkBufferCopy(srcOffset=0, dstOffset=0,
                                                                                  size=max(nbytes, 4))])
