@@ -221,7 +221,7 @@ def _load_model(model_path, quant="keep", adapter=None, force=False):
         ck, tok = load_model_files(path)
         model = Llama(ck, quant=quant)
         if adapter:
-            from vkdsl.train.adapters import load_adapter
+            from vkdsl.models.adapters import load_adapter
             load_adapter(model, adapter, tok, force=force)
     except (ModelFileError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e))
