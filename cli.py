@@ -54,7 +54,7 @@ def devices(as_json):
                "max_storage_buffer_range": L.max_storage_buffer_range, "max_workgroup_size": L.max_workgroup_size,
                "max_workgroup_invocations": L.max_workgroup_invocations, "max_shared_memory": L.max_shared_memory,
                "max_push_constants": L.max_push_constants, "subgroup_size": L.subgroup_size,
-               "shader_float16": L.float16, "storage_buffer_16bit": L.storage16, "int8": L.int8}
+               "shader_float16": L.float16, "storage_buffer_16bit": L.storage16, "int8": L.int8, "int64": L.int64}
         if as_json:
             click.echo(json.dumps(row))
             continue
@@ -66,7 +66,7 @@ def devices(as_json):
                    f"{L.max_workgroup_size} / {L.max_workgroup_invocations} invocations, shared memory "
                    f"{L.max_shared_memory // 1024} KiB, subgroup {L.subgroup_size}, push constants "
                    f"{L.max_push_constants} B\n      float16 arithmetic {L.float16}, 16-bit storage {L.storage16}, "
-                   f"int8 {L.int8}")
+                   f"int8 {L.int8}, int64 {L.int64}")
     if not as_json:
         click.echo("(* = used by default)")
 

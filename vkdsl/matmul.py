@@ -75,16 +75,11 @@ class MatmulPlan:
         return 2 * self.M * self.N * self.K * self.batch
 
 
-_int64 = {}
 
 
 def has_int64(dev) -> bool:
-    """shaderInt64, needed by VEC=8 loads. (The runtime does not enable the feature at device
-    creation; lavapipe compiles 64-bit loads regardless.)"""
-    if dev.info.index not in _int64:
-        import vulkan as vk
-        _int64[dev.info.index] = bool(vk.vkGetPhysicalDeviceFeatures(dev.info.handle).shaderInt64)
-    return _int64[dev.info.index]
+    """shaderInt64, needed by VEC=8 loads (enabled at device creation when present)."""
+    return dev.limits.int64
 
 
 def default_variant(dev) -> str:

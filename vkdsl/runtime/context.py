@@ -30,7 +30,9 @@ class Device:
         f16 = vk.VkPhysicalDeviceShaderFloat16Int8Features(
             pNext=s16, shaderFloat16=int(info.limits.float16), shaderInt8=int(info.limits.int8))
         s8 = vk.VkPhysicalDevice8BitStorageFeatures(pNext=f16, storageBuffer8BitAccess=int(info.limits.int8))
-        create = vk.VkDeviceCreateInfo(pNext=s8, queueCreateInfoCount=1, pQueueCreateInfos=[qinfo])
+        core = vk.VkPhysicalDeviceFeatures2(pNext=s8, features=vk.VkPhysicalDeviceFeatures(
+            shaderInt64=int(info.limits.int64)))
+        create = vk.VkDeviceCreateInfo(pNext=core, queueCreateInfoCount=1, pQueueCreateInfos=[qinfo])
         self.handle = vkcall(vk.vkCreateDevice, pd, create, None)
         self.queue = vk.vkGetDeviceQueue(self.handle, self.queue_family, 0)
         self.command_pool = vkcall(vk.vkCreateCommandPool, self.handle, vk.VkCommandPoolCreateInfo(

@@ -29,6 +29,7 @@ class Limits:
     float16: bool            # shaderFloat16: arithmetic in f16
     storage16: bool          # storageBuffer16BitAccess: f16 values in storage buffers
     int8: bool
+    int64: bool              # shaderInt64: 64-bit integer types (the 8-float matmul loads)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _info(index: int, pd) -> DeviceInfo:
         max_push_constants=L.maxPushConstantsSize,
         subgroup_size=sub.subgroupSize,
         float16=bool(f16.shaderFloat16), storage16=bool(s16.storageBuffer16BitAccess),
-        int8=bool(f16.shaderInt8))
+        int8=bool(f16.shaderInt8), int64=bool(vk.vkGetPhysicalDeviceFeatures(pd).shaderInt64))
     return DeviceInfo(index=index, name=props.deviceName, kind=_TYPE_NAMES.get(props.deviceType, "other"),
                       driver=vk.ffi.string(drv.driverName).decode(errors="replace"),
                       driver_info=vk.ffi.string(drv.driverInfo).decode(errors="replace"),
