@@ -114,7 +114,7 @@ def test_variant_choice(dev):
 def test_without_int64_loads_are_vec4(dev, monkeypatch):
     # devices without shaderInt64 get vec4 loads at most; same results
     import vkdsl.matmul as mm
-    monkeypatch.setitem(mm._int64, dev.info.index, False)
+    monkeypatch.setattr(mm, "has_int64", lambda d: False)
     for form in FORMS:
         got, ref, mag, p = run(dev, 16, 24, 40, *form, variant="lvp", seed=3)
         assert "_v4" in p.name
