@@ -79,7 +79,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causa
     """Grouped-query attention (see attention_composed for the contract). fused: the streaming
     kernel (kernels/attention.comp) for the forward; its gradient is the composite's."""
     B, Tq, Hq, D = q.shape
-    if fused and D % 4 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B and Hq % k.shape[2] == 0 \
+    # The kernel gives each workgroup 64 queries of one head: with a handful of queries (decode)
+    # most lanes idle, and the composed form is faster.
+    if fused and Tq >= 16 and D % 4 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B and Hq % k.shape[2] == 0 \
             and v.shape == k.shape and (not causal or Tq == k.shape[1]):
         from .attention_kernel import fused_attention
         return fused_attention(q, k, v, mask, causal)
