@@ -142,6 +142,32 @@ def bench_model(device, as_json, model_path):
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
 
 
+@bench.command("ops")
+@_device_option
+@click.option("--json", "as_json", is_flag=True)
+def bench_ops(device, as_json):
+    """LoRA linear, softmax + CE, Q4_1 matmul and attention, forward and backward, beside numpy."""
+    _open(device, announce=not as_json)
+    from vkdsl.ops.bench import bench_ops as run
+    _rows(run(), as_json)
+
+
+@bench.command("quant")
+@_device_option
+@click.option("--json", "as_json", is_flag=True)
+def bench_quant(device, as_json):
+    """int4 / NF4: stored bytes vs fp32 and the device round trip's relative Frobenius error."""
+    _open(device, announce=not as_json)
+    from vkdsl.ops.bench import bench_quant as run
+    _rows(run(), as_json)
+
+
+def _rows(rows, as_json):
+    for r in rows:
+        click.echo(json.dumps(r) if as_json else "  ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
 @main.command("compile")
 @_device_option
 @click.option("--bundle", "bundle", required=True, type=click.Path(file_okay=False),

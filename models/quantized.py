@@ -1,8 +1,8 @@
 """Packed weights on the device: GGUF Q4_0/Q4_1/Q8_0 blocks as stored, or int4/NF4 made on
 load. The fp32 weight never exists on the device: the matmul shader dequantizes as it reads.
 
-Each packed weight is a set of int32 leaf tensors (the format's arrays) that custom ops bind;
-the input gradient through a frozen packed weight is the 'nn' form (dx = g . W)."""
+Each packed weight is a set of int32 leaf tensors (the format's arrays) that custom ops bind
+(ops.quant.qlinear; the input gradient through a frozen packed weight is the 'nn' form)."""
 from __future__ import annotations
 
 import math
@@ -10,10 +10,10 @@ import struct
 
 import numpy as np
 
-import vkdsl
 from vkdsl import Tensor, quant
 from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.custom import CustomOp, custom
+from vkdsl.ops.quant import packed_arrays, qlinear
 from vkdsl.runtime import get_kernel
 
 from .tensors import TensorRecord
@@ -38,22 +38,6 @@ def _pack(rec: TensorRecord, quant_mode: str) -> quant.QuantizedWeight:
     return quant.quantize_int4(w) if quant_mode == "int4" else quant.quantize_nf4(w)
 
 
-class _QMatmul(CustomOp):
-    def __init__(self, weight: "Packed", form: str):
-        self.w, self.form, self.name = weight, form, f"qmatmul_{form}_{weight.fmt}"
-
-    def record(self, rec, out, srcs):
-        x = srcs[0]
-        N, K = self.w.shape
-        M = x.nbytes // 4 // (K if self.form == "nt" else N)
-        plan = quant.plan_qmatmul(rec.device, self.w.fmt, M=M, N=N, K=K, form=self.form)
-        quant.record_qmatmul(rec, plan, out, x, *srcs[1:])
-
-    def backward(self, node, g, x, *arrays):
-        other = "nn" if self.form == "nt" else "nt"
-        return (self.w._apply(g, other), *([None] * len(arrays)))
-
-
 class _QGather(CustomOp):
     def __init__(self, weight: "Packed"):
         self.w, self.name = weight, f"qgather_{weight.fmt}"
@@ -71,24 +55,20 @@ class Packed:
     """A frozen (out, in) weight kept in its packed format on the device."""
 
     def __init__(self, rec: TensorRecord, quant_mode: str = "keep"):
-        qw = _pack(rec, quant_mode)
+        try:
+            qw = _pack(rec, quant_mode)
+        except ValueError as e:
+            raise ValueError(f"tensor {rec.name}: {e}") from None
         self.fmt, self.shape, self.name = qw.fmt, tuple(rec.shape), rec.name
-        self.arrays = [vkdsl.tensor(a.view(np.int32), name=f"{rec.name}.{n}")
-                       for a, n in zip(qw.arrays, quant.get_format(qw.fmt).arrays)]
-
-    def _apply(self, x: Tensor, form: str) -> Tensor:
-        N, K = self.shape
-        kin, nout = (K, N) if form == "nt" else (N, K)
-        if x.shape[-1] != kin:
-            raise ValueError(f"{self.name}: input of width {x.shape[-1]}, expected {kin}")
-        lead = x.shape[:-1]
-        x2 = x.reshape(math.prod(lead), kin)
-        y = custom(_QMatmul(self, form), [x2, *self.arrays], (x2.shape[0], nout),
-                   requires_grad=x.requires_grad)
-        return y.reshape(*lead, nout)
+        self.arrays = packed_arrays(qw, rec.name)
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self._apply(x, "nt")          # x @ W^T
+        """x (..., K) @ W^T."""
+        N, K = self.shape
+        if x.shape[-1] != K:
+            raise ValueError(f"{self.name}: input of width {x.shape[-1]}, expected {K}")
+        lead = x.shape[:-1]
+        return qlinear(x.reshape(math.prod(lead), K), self.arrays, self.fmt, self.shape).reshape(*lead, N)
 
     def rows(self, ids: Tensor) -> Tensor:
         return custom(_QGather(self), [ids, *self.arrays], (*ids.shape, self.shape[1]), requires_grad=False)

@@ -68,6 +68,7 @@ def compare(y: np.ndarray, ref: np.ndarray) -> tuple[float, str]:
     """(NMSE over finite reference entries, problem description or '')."""
     if y.shape != ref.shape:
         return float("inf"), f"shape {y.shape}, expected {ref.shape}"
+    ref = ref.astype(np.float64)          # integer goldens (codes) must not wrap when squared
     y64, fin = y.astype(np.float64), np.isfinite(ref)
     if not np.isfinite(y64[fin]).all():
         return float("inf"), f"{int((~np.isfinite(y64[fin])).sum())} NaN/Inf where the reference is finite"
