@@ -248,7 +248,7 @@ def _load_model(model_path, quant="keep", adapter=None, force=False):
         model = Llama(ck, quant=quant)
         if adapter:
             from vkdsl.models.adapters import load_adapter
-            load_adapter(model, adapter, tok, force=force)
+            load_adapter(model, adapter, tok, force=force, model_path=path)
     except (ModelFileError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e))
     return model, tok
@@ -339,6 +339,41 @@ def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_
                    f"compile); {st['new_tokens']} new tokens at {st['new_tokens'] / max(st['decode_s'], 1e-9):.1f} "
                    f"tokens/s; weights on device {mem['device_bytes'] / 2**20:.1f} MiB vs "
                    f"{mem['fp32_bytes'] / 2**20:.1f} MiB as fp32]", err=True)
+
+
+@main.command()
+@_device_option
+@_model_option
+@click.option("--adapter", required=True, help="vkdsl run folder, PEFT folder or GGUF adapter")
+@click.option("--out", "out", required=True, type=click.Path(), help="merged GGUF file (or folder for HF bases)")
+@click.option("--out-type", type=click.Choice(["f32", "f16", "keep"]), default="f16", show_default=True,
+              help="merged tensors as f32/f16, or re-quantized to the base's block type (loss reported)")
+@click.option("--compare", "compare_text", default="The capital of France is",
+              help="prompt on which merged and separate logits are compared")
+@click.option("--force", is_flag=True, help="merge an adapter whose manifest names another base")
+@click.option("--json", "as_json", is_flag=True)
+def merge(device, model_path, adapter, out, out_type, compare_text, force, as_json):
+    """Write the base with the adapter merged in, and compare its logits with the separate path."""
+    from vkdsl.models import ModelFileError, load_tokenizer
+    from vkdsl.models.default import default_model_path
+    from vkdsl.models.merge import compare_logits, merge as run
+    _open(device, announce=not as_json)
+    base = model_path or default_model_path()
+    try:
+        report = run(base, adapter, out, out_type=out_type, force=force)
+        ids = load_tokenizer(base).encode(compare_text)
+        report["compare"] = compare_logits(base, adapter, out, [ids], force=force)
+    except (ModelFileError, FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e))
+    if as_json:
+        click.echo(json.dumps(report, default=str))
+        return
+    c = report["compare"]
+    click.echo(f"wrote {out} ({out_type}); merged vs separate on {c['positions']} positions: max |dlogit| "
+               f"{c['max_abs_diff']:.3g} (relative {c['rel_diff']:.2e}), argmax agreement {c['argmax_agreement']:.3f}")
+    for k in ("max_requant_rel_err", "mean_requant_rel_err", "warning"):
+        if k in report:
+            click.echo(f"  {k}: {report[k]}")
 
 
 @main.command()
