@@ -342,7 +342,7 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
         name = f"qmatvec_{f.name}"
         kernel = _kernel(dev, "qmatvec.comp", name, dict(f.defines, MV_ROWS=MV_ROWS), 2 + len(f.arrays),
                          PUSH_FORMAT, (64, 1, 1))
-        return QuantPlan(name=name, kernel=kernel, groups=_grid(N), push=struct.pack(PUSH_FORMAT, M, N, K, 0, 0, 0),
+        return QuantPlan(name=name, kernel=kernel, groups=_grid(-(-N // 4)), push=struct.pack(PUSH_FORMAT, M, N, K, 0, 0, 0),
                          fmt=f.name, N=N, K=K, bytes_x=4 * M * K, bytes_c=4 * M * N, flops=2 * M * N * K)
     vec = _widest([red, sx], lvp_widths(dev))
     name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1)

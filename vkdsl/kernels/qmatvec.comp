@@ -11,29 +11,36 @@ layout(std430, binding = 1) readonly buffer X_ { vec4 x_in[]; };
 #define QB0 2
 #include "quant_formats.glsl"
 
+// Each invocation owns NR columns, so every X load feeds NR rows of W.
+const int NR = 4;
+
 void main() {
-    const uint n = gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    const uint n0 = NR * (gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x);
     const uint M = pc.M, N = pc.N, K = pc.K;
-    const uint nn = min(n, N - 1u);          // clamp: spare lanes read a valid row, store nothing
-    float acc[MV_ROWS];
-    [[unroll]] for (int m = 0; m < MV_ROWS; m++) acc[m] = 0.0;
+    float acc[MV_ROWS][NR];
+    [[unroll]] for (int m = 0; m < MV_ROWS; m++)
+        [[unroll]] for (int c = 0; c < NR; c++) acc[m][c] = 0.0;
     for (uint r = 0u; r < K / 32u; r++) {
-        Q32 q;
-        q32_load(nn, r, K, q);
-        float w[32];
-        [[unroll]] for (int e = 0; e < 32; e++) w[e] = q32_get(q, e);
         [[unroll]] for (int m = 0; m < MV_ROWS; m++) {
             if (uint(m) < M) {
                 const uint xb = (uint(m) * K + 32u * r) / 4u;
-                vec4 s = vec4(0.0);
-                [[unroll]] for (int v = 0; v < 8; v++)
-                    s += x_in[xb + v] * vec4(w[4 * v], w[4 * v + 1], w[4 * v + 2], w[4 * v + 3]);
-                acc[m] += s.x + s.y + s.z + s.w;
+                vec4 x[8];
+                [[unroll]] for (int v = 0; v < 8; v++) x[v] = x_in[xb + v];
+                [[unroll]] for (int c = 0; c < NR; c++) {
+                    Q32 q;
+                    q32_load(min(n0 + c, N - 1u), r, K, q);   // clamp: spare columns read a valid row
+                    vec4 s = vec4(0.0);
+                    [[unroll]] for (int v = 0; v < 8; v++)
+                        s += x[v] * vec4(q32_get(q, 4 * v), q32_get(q, 4 * v + 1), q32_get(q, 4 * v + 2), q32_get(q, 4 * v + 3));
+                    acc[m][c] += s.x + s.y + s.z + s.w;
+                }
             }
         }
     }
-    if (n < N) {
-        [[unroll]] for (int m = 0; m < MV_ROWS; m++)
-            if (uint(m) < M) c_out[m * N + n] = acc[m];
+    [[unroll]] for (int c = 0; c < NR; c++) {
+        if (n0 + c < N) {
+            [[unroll]] for (int m = 0; m < MV_ROWS; m++)
+                if (uint(m) < M) c_out[m * N + n0 + c] = acc[m][c];
+        }
     }
 }
