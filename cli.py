@@ -377,6 +377,17 @@ def merge(device, model_path, adapter, out, out_type, compare_text, force, as_js
 
 
 @main.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+def report(run_dir):
+    """Rebuild RUN_DIR/report.html (self-contained: inline SVG, no network, no script)."""
+    from vkdsl.train.report import build_report
+    try:
+        click.echo(f"wrote {build_report(run_dir)}")
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e))
+
+
+@main.command()
 @_device_option
 @_model_option
 @click.option("--json", "as_json", is_flag=True)
