@@ -34,7 +34,7 @@ class FusedAttention(CustomOp):
         from .nn import attention_composed
         ins = [t for t in (q, k, v) if t.requires_grad]
         out = attention_composed(q, k, v, mask[0] if mask else None, self.causal)
-        gs = iter(grad(out, ins, upstream=g))
+        gs = iter(grad(out, ins, upstream=g, local=True))
         return tuple(next(gs) if t.requires_grad else None for t in (q, k, v)) + (None,) * len(mask)
 
 

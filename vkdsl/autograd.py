@@ -96,7 +96,7 @@ GRADIENTS = {
 }
 
 
-def _topo(root):
+def _topo(root, stop=frozenset()):
     order, seen = [], set()
     stack = [(root, False)]
     while stack:
@@ -108,24 +108,27 @@ def _topo(root):
             continue
         seen.add(id(t))
         stack.append((t, True))
-        stack.extend((s, False) for s in t.src if s.requires_grad)
+        if id(t) not in stop:
+            stack.extend((s, False) for s in t.src if s.requires_grad)
     return order
 
 
-def grad(loss: Tensor, params, upstream: Tensor | None = None) -> list[Tensor]:
-    """Gradients of loss (a scalar, or sum(loss * upstream)) w.r.t. params, as lazy tensors."""
+def grad(loss: Tensor, params, upstream: Tensor | None = None, local: bool = False) -> list[Tensor]:
+    """Gradients of loss (a scalar, or sum(loss * upstream)) w.r.t. params, as lazy tensors.
+    local: do not walk below the params (a custom op's backward asking about its own inputs,
+    which are independent of one another; the outer grad carries on from there)."""
     if upstream is None and loss.size != 1:
         raise ValueError(f"grad needs a scalar loss (or an upstream gradient), got shape {loss.shape}")
     for p in params:
         if not p.requires_grad:
             raise ValueError(f"grad: {p} does not require a gradient (frozen tensors get none)")
     grads = {id(loss): upstream if upstream is not None else Tensor.const(1.0, loss.shape)}
-    wanted, found = {id(p) for p in params}, {}
-    for t in reversed(_topo(loss)):
+    wanted, found = frozenset(id(p) for p in params), {}
+    for t in reversed(_topo(loss, wanted if local else frozenset())):
         g = grads.pop(id(t), None)
         if g is not None and id(t) in wanted:
             found[id(t)] = g            # params may be inner nodes too (a custom op's inputs)
-        if g is None or not t.src:
+        if g is None or not t.src or (local and id(t) in wanted):
             continue
         rule = GRADIENTS.get(t.op)
         if rule is None:
