@@ -1,0 +1,95 @@
+"""DPO on a tiny model the test builds: ln 2 at the start, sequence log-probs over response
+tokens only (checked against the float64 numpy reference forward), the margin grows, the
+reference cache refuses stale inputs, identical pairs are counted."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from vkdsl.golden import llama_ref
+from vkdsl.models import load_model_files, synthetic
+from vkdsl.models.llama import Llama
+from vkdsl.ops.lora import LoRA
+from vkdsl.train import dpo
+from vkdsl.train.data import DataError
+
+CFG = dict(pad_id=0, bucket=16, max_len=48, dpo_batch=4, dpo_beta=0.5, dpo_lr=5e-3, dpo_steps=12,
+           dpo_nll_weight=0.0, clip=1.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=0)
+HASHES = {"base": "b", "tokenizer": "t", "template": "c"}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpo")
+    tm = synthetic.build_tiny(d)
+    ck, tok = load_model_files(tm.gguf_path)
+    rows = [{"prompt": f"the dog {i} is", "chosen": " the fox", "rejected": " a capital"} for i in range(8)]
+    rows.append({"prompt": "same", "chosen": " dog", "rejected": " dog"})
+    path = d / "prefs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return ck, tok, path, d
+
+
+def fresh_model(ck):
+    m = Llama(ck)
+    c = m.cfg
+    for i in range(c.n_layers):
+        for mod, out in (("attn_q", c.n_heads * c.head_dim), ("attn_v", c.n_kv_heads * c.head_dim)):
+            m.lora[f"blk.{i}.{mod}"] = LoRA.init(c.dim, out, 4, 8.0, seed=i, name=mod)
+    return m, [p for lo in m.lora.values() for p in lo.params()]
+
+
+def test_dpo_starts_at_ln2_and_grows_the_margin(setup, tmp_path):
+    ck, tok, path, _ = setup
+    pairs, same = dpo.load_pairs(path, tok, False, 48, "left")
+    assert same == 1 and len(pairs) == 8
+    model, params = fresh_model(ck)
+    said = []
+    hist, ev = dpo.train_dpo(model, params, tok, CFG, pairs, pairs[:4], tmp_path, said.append,
+                             lambda *a, **k: None, "base", HASHES)
+    assert abs(hist[0]["dpo_loss"] - math.log(2)) < 1e-5        # policy == reference (B = 0)
+    assert any("ln 2" in s for s in said)
+    assert hist[-1]["dpo_loss"] < hist[0]["dpo_loss"]
+    tr = ev["train"]
+    assert tr["margin_improvement"] > 0 and tr["improvement_accuracy"] == 1.0
+    assert math.isclose(tr["margin_improvement"], tr["chosen_drift"] - tr["rejected_drift"], rel_tol=1e-6)
+    assert "%" in dpo.margin_story(tr) or "did not move" in dpo.margin_story(tr)
+
+
+def test_sequence_logprob_is_the_response_sum_of_the_reference_forward(setup):
+    ck, tok, path, _ = setup
+    pairs, _ = dpo.load_pairs(path, tok, False, 48, "left")
+    model, params = fresh_model(ck)
+    step = dpo.build_dpo_step(model, params, 1.0, 0.0)
+    batch = pairs[:4]
+    ic, pc, lc, sc = dpo._pack([p.chosen for p in batch], 0, 16, 48)
+    ir, pr, lr, sr = dpo._pack([p.rejected for p in batch], 0, 16, 48)
+    out = step(ic, pc, lc, sc, ir, pr, lr, sr, np.zeros(4, np.float32), np.ones(1, np.float32))
+    w = ck.dequantized()
+    for k, p in enumerate(batch):
+        ids = np.array(p.chosen.ids)
+        lp = llama_ref.forward(w, ck.config.to_dict(), ids)
+        lp = lp - np.log(np.exp(lp - lp.max(-1, keepdims=True)).sum(-1, keepdims=True)) - lp.max(-1, keepdims=True)
+        lab = np.array(p.chosen.labels)
+        want = sum(lp[t, lab[t]] for t in range(len(lab)) if lab[t] != -100)
+        assert abs(out[1][k] - want) < 1e-3 * max(1.0, abs(want))
+
+
+def test_stale_reference_cache_is_refused(setup, tmp_path):
+    ck, tok, path, _ = setup
+    pairs, _ = dpo.load_pairs(path, tok, False, 48, "left")
+    model, params = fresh_model(ck)
+    cfg = dict(CFG, dpo_steps=1)
+    dpo.train_dpo(model, params, tok, cfg, pairs, [], tmp_path, lambda s: None, lambda *a, **k: None, "base", HASHES)
+    with pytest.raises(ValueError, match="cached DPO reference was computed for other inputs"):
+        dpo.train_dpo(model, params, tok, cfg, pairs, [], tmp_path, lambda s: None, lambda *a, **k: None, "base",
+                      dict(HASHES, base="other"))
+
+
+def test_bad_pairs(setup, tmp_path):
+    _, tok, _, _ = setup
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps({"prompt": "x", "chosen": "", "rejected": "y"}) + "\n")
+    with pytest.raises(DataError, match="bad.jsonl:1: field 'chosen'"):
+        dpo.load_pairs(p, tok, False, 48, "left")

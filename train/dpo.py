@@ -1,0 +1,192 @@
+"""DPO on the same LoRA adapters: data, the traced preference step, the cached reference, and
+the evidence (pair accuracy, improvement accuracy, margin improvement, chosen and rejected drift
+reported separately).
+
+Sequence log-probability = sum of next-token log-probs over the response tokens only (the
+prompt is masked to -100). The reference is the same model: the adapter disabled, or -- when DPO
+follows SFT -- the SFT adapter as it stood when DPO began. Either way its log-probs are computed
+once before the first step and cached with the hashes they depend on; a stale cache is refused.
+With policy == reference every margin is 0 and the first loss is ln 2 = 0.693147."""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import vkdsl
+from vkdsl.autograd import grad
+from vkdsl.ops import losses
+
+from . import checkpoint
+from .data import IGNORE, DataError, Example, collate, encode_row, read_jsonl
+from .evidence import Scorer
+from .step import HostAdamW, clip, select, selected_logits
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class Pair:
+    chosen: Example
+    rejected: Example
+    where: str
+
+
+def load_pairs(path, tok, use_template, max_len, side) -> tuple[list[Pair], int]:
+    """TRL's {"prompt", "chosen", "rejected"} rows -> (pairs, number with identical responses)."""
+    pairs, same = [], 0
+    for n, obj in read_jsonl(path):
+        where = f"{path}:{n}"
+        for key in ("prompt", "chosen", "rejected"):
+            if not isinstance(obj.get(key), str) or not obj[key].strip():
+                raise DataError(f"{where}: field {key!r} is missing or empty")
+        if obj["chosen"].strip() == obj["rejected"].strip():
+            same += 1                     # no preference signal: counted and warned, not trained on
+            continue
+        row = {"prompt": obj["prompt"], "category": obj.get("category", "")}
+        c = encode_row(dict(row, completion=obj["chosen"]), tok, use_template, max_len, side, where + " (chosen)")
+        r = encode_row(dict(row, completion=obj["rejected"]), tok, use_template, max_len, side,
+                       where + " (rejected)")
+        pairs.append(Pair(c, r, where))
+    if not pairs:
+        raise DataError(f"{path}: no usable preference pairs ({same} had identical chosen and rejected)")
+    return pairs, same
+
+
+def _segments(pos, labels, T, B):
+    """(B, S) one-hot: which sequence each selected position belongs to (0 for padding)."""
+    seg = np.zeros((B, len(pos)), np.float32)
+    live = labels != IGNORE
+    seg[pos[live] // T, np.flatnonzero(live)] = 1.0
+    return seg
+
+
+def build_dpo_step(model, params, beta: float, nll_weight: float):
+    """Traced: (chosen ids/pos/labels/segments, rejected ..., ref_margin (P,), inv_nc (1,))
+    -> (loss, policy chosen logp (P,), policy rejected logp (P,), *grads)."""
+    @vkdsl.trace
+    def dpo_step(ids_c, pos_c, lab_c, seg_c, ids_r, pos_r, lab_r, seg_r, ref_margin, inv_nc):
+        lpc, _ = losses.token_logprobs(selected_logits(model, ids_c, pos_c, True), lab_c)
+        lpr, _ = losses.token_logprobs(selected_logits(model, ids_r, pos_r, True), lab_r)
+        pc = (seg_c @ lpc.reshape(-1, 1)).reshape(-1)          # (P,) sequence log-probs
+        pr = (seg_r @ lpr.reshape(-1, 1)).reshape(-1)
+        margin = ((pc - pr) - ref_margin) * beta
+        loss = losses.softplus(-margin).mean()
+        if nll_weight > 0:                                     # optional NLL on the chosen responses
+            loss = loss - pc.sum() * inv_nc[0] * nll_weight
+        return [loss, pc, pr] + grad(loss, params)
+    return dpo_step
+
+
+def _pack(rows, pad, bucket, max_len):
+    ids, lab = collate(rows, pad, bucket, max_len)
+    pos, sl = select(lab, bucket=16)
+    return ids, pos, sl, _segments(pos, sl, ids.shape[1], ids.shape[0])
+
+
+def reference_logps(scorer, pairs, adapters_on: bool):
+    c = scorer.row_logprobs([p.chosen for p in pairs], adapters_on)
+    r = scorer.row_logprobs([p.rejected for p in pairs], adapters_on)
+    return np.array([x for x, _ in c]), np.array([x for x, _ in r])
+
+
+def cache_key(base_sha: str, tok_hash: str, template_hash: str, pairs, reference: str, adapter_sum: str) -> str:
+    h = hashlib.sha256()
+    for part in (base_sha, tok_hash, template_hash, reference, adapter_sum):
+        h.update(str(part).encode() + b"\0")
+    for p in pairs:                     # token ids and masks of every response
+        for ex in (p.chosen, p.rejected):
+            h.update(np.asarray(ex.ids, np.int32).tobytes() + np.asarray(ex.labels, np.int32).tobytes())
+    return h.hexdigest()
+
+
+def cached_reference(path: Path, key: str, compute):
+    """Load the cached reference log-probs if their hashes match; refuse a stale cache."""
+    if path.is_file():
+        obj = json.loads(path.read_text())
+        if obj.get("key") != key:
+            raise ValueError(f"{path}: the cached DPO reference was computed for other inputs (base, tokenizer, "
+                             f"template, masks or reference adapter changed); delete it to recompute")
+        return np.array(obj["chosen"]), np.array(obj["rejected"])
+    rc, rr = compute()
+    checkpoint.atomic_write(path, json.dumps({"key": key, "chosen": rc.tolist(), "rejected": rr.tolist()}).encode())
+    return rc, rr
+
+
+def dpo_evidence(scorer, pairs, rc, rr) -> dict:
+    pc, pr = reference_logps(scorer, pairs, True)
+    improvement = (pc - pr) - (rc - rr)
+    return {"pair_accuracy": float(np.mean(pc > pr)), "improvement_accuracy": float(np.mean(improvement > 0)),
+            "margin_improvement": float(improvement.mean()), "chosen_drift": float(np.mean(pc - rc)),
+            "rejected_drift": float(np.mean(pr - rr)), "pairs": len(pairs)}
+
+
+def margin_story(ev: dict) -> str:
+    """Which side carried the margin: chosen going up, or rejected going down."""
+    up, down = ev["chosen_drift"], -ev["rejected_drift"]
+    total = up + down
+    if abs(total) < 1e-9:
+        return "the margin did not move"
+    if total < 0:
+        return f"the margin shrank by {-total:.3f} nats (chosen {up:+.3f}, rejected {-down:+.3f})"
+    share = down / total
+    side = "lowering rejected responses" if share >= 0.5 else "raising chosen responses"
+    return (f"{100 * max(share, 1 - share):.0f}% of the margin came from {side} "
+            f"(chosen drift {up:+.3f} nats, rejected drift {-down:+.3f} nats per pair)")
+
+
+def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event, reference: str,
+              hashes: dict):
+    """reference: 'base' (adapter off), 'sft' (the adapter as it stands now, frozen), 'none'.
+    cfg needs: dpo_beta, dpo_lr, dpo_steps, dpo_batch, dpo_nll_weight, pad/bucket/max_len, clip,
+    betas, eps, weight_decay. Returns (history, final evidence dict)."""
+    scorer = Scorer(model, cfg["pad_id"], cfg["bucket"], cfg["max_len"], cfg["dpo_batch"])
+    if reference == "none":
+        rc = rr = np.zeros(len(pairs))
+        hc = hr = np.zeros(len(heldout))
+    else:
+        on = reference == "sft"
+        adapter_sum = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest() if on else "off"
+        key = cache_key(hashes["base"], hashes["tokenizer"], hashes["template"], pairs + heldout, reference, adapter_sum)
+        both = cached_reference(run_dir / "dpo_reference.json", key,
+                                lambda: reference_logps(scorer, pairs + heldout, on))
+        rc, rr = both[0][:len(pairs)], both[1][:len(pairs)]
+        hc, hr = both[0][len(pairs):], both[1][len(pairs):]
+    step_fn = build_dpo_step(model, params, cfg["dpo_beta"], cfg["dpo_nll_weight"])
+    opt = HostAdamW([p.shape for p in params], cfg["betas"], cfg["eps"], cfg["weight_decay"])
+    rng = np.random.default_rng(cfg.get("seed", 0))
+    order, history = [], []
+    B = cfg["dpo_batch"]
+    for step in range(1, cfg["dpo_steps"] + 1):
+        if len(order) < B:
+            order += list(rng.permutation(len(pairs)))
+        idx, order = order[:B], order[B:]
+        batch = [pairs[i] for i in idx]
+        ic, pc_, lc, sc = _pack([p.chosen for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"])
+        ir, pr_, lr_, sr = _pack([p.rejected for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"])
+        ref = (rc[idx] - rr[idx]).astype(np.float32)
+        n_c = max(int((lc != IGNORE).sum()), 1)
+        out = step_fn(ic, pc_, lc, sc, ir, pr_, lr_, sr, ref, np.array([1.0 / n_c], np.float32))
+        loss = float(out[0])
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"DPO step {step}: loss is {loss}; stopping (the last checkpoint is kept)")
+        if step == 1 and reference != "none":
+            say(f"DPO step 1 loss {loss:.6f}; policy == reference gives ln 2 = {LN2:.6f} "
+                f"(difference {loss - LN2:+.2e})")
+        gs, norm = clip([np.asarray(g, np.float32) for g in out[3:]], cfg["clip"])
+        frac = (step - 1) / max(cfg["dpo_steps"] - 1, 1)
+        lr = cfg["dpo_lr"] * 0.5 * (1 + math.cos(math.pi * frac))
+        new = opt.update([p.numpy() for p in params], gs, lr)
+        for p, a in zip(params, new):
+            p.assign(vkdsl.tensor(a))
+        rec = {"step": step, "stage": "dpo", "dpo_loss": loss, "grad_norm": norm, "lr": lr}
+        history.append(rec)
+        event("dpo_step", **rec)
+        say(f"dpo step {step}/{cfg['dpo_steps']} loss {loss:.4f} |g| {norm:.3g}")
+    train_ev = dpo_evidence(scorer, pairs, rc, rr)
+    held_ev = dpo_evidence(scorer, heldout, hc, hr) if heldout else None
+    return history, {"train": train_ev, "heldout": held_ev}
