@@ -142,6 +142,17 @@ def bench_model(device, as_json, model_path):
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
 
 
+@bench.command("train")
+@_device_option
+@click.option("--objective", type=click.Choice(["sft", "dpo"]), default="sft", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_train(device, objective, as_json):
+    """SmolLM2 training-step speed (SFT at 4 x 256, or DPO at 4 pairs x 64) and device memory."""
+    _open(device, announce=not as_json)
+    from vkdsl.train.bench import bench_train as run
+    _rows(run(objective), as_json)
+
+
 @bench.command("ops")
 @_device_option
 @click.option("--json", "as_json", is_flag=True)

@@ -126,8 +126,14 @@ def _spectra(rows: list[dict]) -> str:
     spec = next(v for k, v in last.items() if "spectrum" in k or "singular" in k)
     if not isinstance(spec, dict):
         return "<p>No spectra recorded.</p>"
-    named = {m: [(i + 1.0, float(s)) for i, s in enumerate(v.get("singular_values", v) if isinstance(v, dict) else v)]
-             for m, v in list(spec.items())[:8]}
+    def values(v):
+        if isinstance(v, dict):
+            v = v.get("sv", v.get("singular_values", []))
+        return [float(x) for x in v] if isinstance(v, list) else []
+    named = {m: [(i + 1.0, x) for i, x in enumerate(values(v))] for m, v in list(spec.items())[:8]}
+    named = {m: pts for m, pts in named.items() if pts}
+    if not named:
+        return "<p>No spectra recorded.</p>"
     return svg_plot(named, "singular values of s·A·B (index on the x axis)").replace(">step<", ">index<")
 
 

@@ -1,0 +1,162 @@
+"""The training step on a tiny model: lambda = 0 is plain SFT bit for bit, k micro-batches equal
+one batch k times larger, the TMKL term equals ops.losses.tmkl and a float64 numpy reference."""
+import numpy as np
+import pytest
+
+import vkdsl
+from vkdsl.autograd import grad
+from vkdsl.models import load_model_files
+from vkdsl.models.llama import Llama
+from vkdsl.ops import losses
+from vkdsl.train.config import TrainConfig
+from vkdsl.train.inject import InjectError, inject, params_of
+from vkdsl.train.step import HostAdamW, Stepper, select
+from vkdsl.models.synthetic import build_tiny
+
+IGN = -100
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("tiny_obj"), seed=3)
+
+
+def model_with_adapters(tiny, **kw):
+    ck, tok = load_model_files(tiny.gguf_path)
+    m = Llama(ck)
+    cfg = TrainConfig(**{**dict(targets=["attn_q", "v_proj", "blk.1.ffn_down"], rank=4, alpha=8.0, lr=0.05), **kw})
+    names = inject(m, cfg)
+    return m, names, cfg
+
+
+def batch(B=4, T=16, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, 300, (B, T)).astype(np.int32)
+    lab = np.full((B, T), IGN, np.int32)
+    for b in range(B):                               # a different number of supervised tokens per row
+        n = 2 + b
+        lab[b, T - n - 1:T - 1] = ids[b, T - n:]
+    return ids, lab
+
+
+def set_params(params, arrays):
+    for p, a in zip(params, arrays):
+        p.assign(vkdsl.tensor(a))
+
+
+def test_patterns(tiny):
+    m, names, _ = model_with_adapters(tiny)
+    assert names == ["blk.0.attn_q", "blk.0.attn_v", "blk.1.attn_q", "blk.1.attn_v", "blk.1.ffn_down"]
+    m2 = Llama(load_model_files(tiny.gguf_path)[0])
+    with pytest.raises(InjectError, match="'qq_proj' matched no module.*attn_q.*q_proj"):
+        inject(m2, TrainConfig(targets=["qq_proj"]))
+    assert inject(m2, TrainConfig(targets=["up_proj"], layers="1", rank=2)) == ["blk.1.ffn_up"]
+
+
+def test_lambda_zero_is_plain_sft_bit_for_bit(tiny):
+    m, names, cfg = model_with_adapters(tiny, tmkl=0.0, clip=0.0)
+    params = params_of(m, names)
+    init = [p.numpy() for p in params]
+    ids, lab = batch()
+    calls = []
+    fwd = m.forward
+    m.forward = lambda *a, **k: (calls.append(k.get("adapters_on", True)), fwd(*a, **k))[1]
+    st = Stepper(m, params, cfg)
+    for _ in range(2):
+        st.step([(ids, lab)], cfg.lr)
+    got = [p.numpy() for p in params]
+    assert False not in calls, "lambda = 0 must not build a base (adapters off) forward"
+    m.forward = fwd
+    # Plain SFT reference: mean masked CE over the full logits, its gradient, the same AdamW.
+    set_params(params, init)
+
+    @vkdsl.trace
+    def sft(ids_t, lab_t):
+        loss, _ = losses.cross_entropy(m.forward(ids_t), lab_t)
+        return grad(loss, params)
+    opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
+    for _ in range(2):
+        gs = [np.asarray(g) for g in sft(ids, lab)]
+        set_params(params, opt.update([p.numpy() for p in params], gs, cfg.lr))
+    ref = [p.numpy() for p in params]
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # and bit for bit against the same SFT graph without any TMKL code: lambda > 0 then 0 again
+    set_params(params, init)
+    st0 = Stepper(m, params, cfg)
+    for _ in range(2):
+        st0.step([(ids, lab)], cfg.lr)
+    assert all(np.array_equal(a, p.numpy()) for a, p in zip(got, params))
+
+
+def test_accumulation_equals_bigger_batch(tiny):
+    m, names, cfg = model_with_adapters(tiny, tmkl=0.1, clip=0.0)
+    params = params_of(m, names)
+    init = [p.numpy() for p in params]
+    ids, lab = batch(B=4, seed=1)
+    one = Stepper(m, params, cfg)
+    r1 = one.step([(ids, lab)], cfg.lr)
+    r1b = one.step([(ids, lab)], cfg.lr)                  # second step: A and the TMKL term are live
+    after_one = [p.numpy() for p in params]
+    set_params(params, init)
+    two = Stepper(m, params, cfg)
+    # two micro-batches of 2 rows with different supervised counts (5 and 9 tokens)
+    micro = [(ids[:2], lab[:2]), (ids[2:], lab[2:])]
+    r2 = two.step(micro, cfg.lr)
+    r2b = two.step(micro, cfg.lr)
+    assert r1["tokens"] == r2["tokens"] == int((lab != IGN).sum())
+    assert r1b["loss"] == pytest.approx(r2b["loss"], rel=1e-5)
+    assert r1b["tmkl"] == pytest.approx(r2b["tmkl"], rel=1e-3, abs=1e-7)
+    for a, b in zip(r1b["raw_grads"], r2b["raw_grads"]):     # fp32 sums in another order: relative to the tensor
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+    for a, p in zip(after_one, params):
+        np.testing.assert_allclose(a, p.numpy(), rtol=1e-4, atol=1e-5)   # Adam divides by sqrt(v)
+    # a naive mean of per-micro-batch means would weight the 5-token half like the 9-token half
+    assert r1["loss"] == pytest.approx(r2["loss"], rel=1e-5)
+
+
+def numpy_tmkl(za, zb, labels):
+    """Float64 reference: remove the target, renormalise both, KL(adapted || base), mean."""
+    out = []
+    for a, b, y in zip(za.astype(np.float64), zb.astype(np.float64), labels):
+        if y == IGN:
+            continue
+        keep = np.arange(a.size) != y
+        la = a[keep] - np.log(np.exp(a[keep] - a[keep].max()).sum()) - a[keep].max()
+        lb = b[keep] - np.log(np.exp(b[keep] - b[keep].max()).sum()) - b[keep].max()
+        out.append(float((np.exp(la) * (la - lb)).sum()))
+    return float(np.mean(out))
+
+
+def test_tmkl_term_matches_references(tiny):
+    m, names, cfg = model_with_adapters(tiny, tmkl=0.5)
+    params = params_of(m, names)
+    ids, lab = batch(B=2, seed=2)
+    st = Stepper(m, params, cfg)
+    r0 = st.step([(ids, lab)], cfg.lr)
+    assert r0["tmkl"] == 0.0                               # B = 0: adapted == base exactly
+    st.step([(ids, lab)], cfg.lr)
+    n = int((lab != IGN).sum())
+    pos, sl = select(lab)
+    out = st.fn(ids, pos, sl, np.array([1.0 / n], np.float32))
+    kl_step = float(out[1]) / n
+    za = m.forward(vkdsl.tensor(ids)).numpy().reshape(-1, 300)
+    zb = m.forward(vkdsl.tensor(ids), adapters_on=False).numpy().reshape(-1, 300)
+    ops_kl = losses.tmkl(vkdsl.tensor(za), vkdsl.tensor(zb), vkdsl.tensor(lab.reshape(-1))).item()
+    ref = numpy_tmkl(za, zb, lab.reshape(-1))
+    assert ref > 1e-6
+    assert kl_step == pytest.approx(ops_kl, rel=1e-3)
+    assert kl_step == pytest.approx(ref, rel=1e-3)
+
+
+def test_tmkl_pulls_toward_base(tiny):
+    """With only the KL term at work (no supervised signal difference), steps shrink the KL."""
+    m, names, cfg = model_with_adapters(tiny, tmkl=1.0, lr=0.02, clip=0.0)
+    params = params_of(m, names)
+    rng = np.random.default_rng(7)
+    set_params(params, [p.numpy() + rng.normal(0, 0.3, p.shape).astype(np.float32) for p in params])
+    ids, lab = batch(B=2, seed=4)
+    base_cfg = TrainConfig(**{**cfg.__dict__, "tmkl": 1.0})
+    st = Stepper(m, params, base_cfg)
+    kls = [st.step([(ids, lab)], base_cfg.lr)["tmkl"] for _ in range(6)]
+    assert kls[-1] < kls[0]

@@ -1,0 +1,117 @@
+"""Whole runs on a tiny model: resume equals an uninterrupted run, a NaN loss stops with the
+step named and the last good checkpoint kept, preflight errors, base/tokenizer identity."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from train_fixtures import tiny_cfg, tiny_setup
+from vkdsl.train import checkpoint
+from vkdsl.train.cli import main
+from vkdsl.train.trainer import Run, TrainingStopped, run
+from vkdsl.train.progress import Reporter
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return tiny_setup(tmp_path_factory.mktemp("tiny_run"))
+
+
+def adapter(r):
+    return [p.numpy() for p in r.params]
+
+
+def test_resume_matches_uninterrupted(setup, tmp_path):
+    cfg = tiny_cfg(setup, steps=5, checkpoint_every=2, tmkl=0.1, batch_size=2, grad_accum=2)
+    full = run(cfg, tmp_path / "full", evidence_at_end=False)
+    part = run(cfg, tmp_path / "part", stop_after=3, evidence_at_end=False)     # "killed" after step 3
+    assert json.loads((tmp_path / "part" / "checkpoint.json").read_text())["step"] == 2
+    resumed = run(cfg, tmp_path / "part", resume=tmp_path / "part", evidence_at_end=False)
+    assert resumed.step == full.step == 5
+    for a, b in zip(adapter(full), adapter(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(adapter(full)[1], np.zeros_like(adapter(full)[1]))
+    assert part.step == 3
+
+
+def test_nan_loss_stops_and_keeps_checkpoint(setup, tmp_path):
+    cfg = tiny_cfg(setup, steps=6, checkpoint_every=1, lr=1e38, warmup=0, clip=0.0)
+    with pytest.raises(TrainingStopped, match=r"non-finite loss .* at step (\d)") as e:
+        run(cfg, tmp_path / "nan", evidence_at_end=False)
+    bad = int(str(e.value).split("at step ")[1].split(":")[0])
+    meta = json.loads((tmp_path / "nan" / "checkpoint.json").read_text())
+    assert meta["step"] == bad - 1 >= 1
+    _, params, _ = checkpoint.load(tmp_path / "nan")
+    assert all(np.isfinite(p).all() for p in params)
+
+
+def test_preflight_zero_lr_and_dead_adapter(setup, tmp_path):
+    cfg = tiny_cfg(setup, min_lr_ratio=0.0)
+    with pytest.raises(ValueError, match="lr 0.0 at 100%"):
+        run(cfg, tmp_path / "z", evidence_at_end=False)
+    r = Run(tiny_cfg(setup), tmp_path / "d", Reporter(None, quiet=True))
+    raw = [np.ones(p.shape, np.float32) for p in r.params]
+    raw[3][:] = 0                                            # blk.0.attn_v's B gets no gradient
+    with pytest.raises(ValueError, match="B gradient is zero for blk.0.attn_v"):
+        r.after_first_step(raw)
+
+
+def test_resume_refuses_other_base(setup, tmp_path):
+    ident = {"base_sha256": "a" * 64, "tokenizer_sha256": "b" * 64}
+    checkpoint.check_identity(dict(ident), ident)
+    with pytest.raises(ValueError, match="base model file differs"):
+        checkpoint.check_identity({**ident, "base_sha256": "c" * 64}, ident)
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        checkpoint.check_identity({**ident, "tokenizer_sha256": "c" * 64}, ident)
+
+
+def test_cli_run_writes_evidence_and_gates(setup, tmp_path, capsys):
+    tm, tr, he, pr = setup
+    out = tmp_path / "cli"
+    rows = [json.loads(x) for x in open(tr) if x.strip()]
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("\n".join(json.dumps({"prompt": r["prompt"], "chosen": r["completion"],
+                                            "rejected": "low" if r["completion"] != "low" else "high"})
+                               for r in rows) + "\n")
+    rc = main(["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
+               "--labels", "low,medium,high", "--max-len", "64", "--bucket", "16", "--rank", "4", "--steps", "3",
+               "--no-verify", "--jsonl", "--out", str(out), "--tmkl", "0.1", "--lr", "0.01", "--warmup", "1",
+               "--dpo-train-file", str(prefs), "--dpo-heldout-file", str(prefs), "--dpo-steps", "2"])
+    assert rc in (0, 2)
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    kinds = [x["event"] for x in lines]
+    assert kinds.count("step") == 3 and "eval" in kinds and "gates" in kinds
+    ev = [x for x in lines if x["event"] == "eval"][-1]
+    lo, hi = ev["heldout_acc_ci"]
+    assert lo <= ev["heldout_acc"] <= hi and ev["heldout_n"] == 3      # the "chat" row is not a label row
+    assert ev["merge_max_diff"] < 1e-3
+    assert (out / "metrics.jsonl").is_file() and (out / "gates.json").is_file() and (out / "adapter.npz").is_file()
+    assert json.loads((out / "config.json").read_text())["steps"] == 3
+    # SFT then DPO, then the exports other tools load and the report
+    assert kinds.count("dpo_step") == 2
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "adapter.gguf").is_file()
+    assert json.loads((out / "adapter" / "vkdsl_manifest.json").read_text())["objective"] == "sft+dpo"
+    page = (out / "report.html").read_text()
+    assert "<svg" in page and "dpo_loss" in page
+    assert main(["--stepz", "3"]) == 1
+
+
+def test_single_token_label_scoring_equals_candidate_scoring(setup, tmp_path):
+    """The fast path (one forward per held-out row, label tokens compared at the answer
+    position) must give the same accuracy and held-out loss as scoring each candidate row."""
+    tm, tr, he, pr = setup
+    from train_fixtures import write_jsonl
+    held = write_jsonl(tmp_path / "h.jsonl", [{"prompt": p, "completion": c, "category": "x"} for p, c in
+                                              [("Is it down?", "fox"), ("A theme", "dog"), ("Bills", "the"),
+                                               ("Hi", "cat food")]])
+    cfg = tiny_cfg(setup, heldout_file=held, labels=["fox", "dog", "the"], steps=1)
+    r = Run(cfg, tmp_path / "s", Reporter(None, quiet=True))
+    r.params[1].assign(__import__("vkdsl").tensor(np.full(r.params[1].shape, 0.05, np.float32)))
+    r.base_evidence()
+    assert r.extra is not None
+    fast = r._scores(True)
+    r.extra = None
+    slow = r._scores(True)
+    assert (fast["k"], fast["n"]) == (slow["k"], slow["n"]) and slow["n"] == 3
+    assert fast["heldout_loss"] == pytest.approx(slow["heldout_loss"], rel=1e-5)

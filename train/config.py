@@ -1,0 +1,205 @@
+"""Every setting of a training run in one dataclass: TOML file, then CLI overrides.
+
+An unknown key or flag is an error (a typo must not silently train with a default)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    # model and data
+    model: str = ""                                  # "" = the default SmolLM2 GGUF
+    train_file: str = str(DATA / "tickets_train.jsonl")
+    heldout_file: str = str(DATA / "tickets_heldout.jsonl")
+    preservation_file: str = str(DATA / "preservation.jsonl")
+    labels: list = field(default_factory=lambda: ["low", "medium", "high", "critical"])
+    chat_template: bool = True                       # wrap prompt/completion as user/assistant turns
+    max_len: int = 96
+    truncation_side: str = "left"                    # left: drop the prompt's start; right: the completion's end
+    bucket: int = 32                                 # pad lengths to multiples: few compiled programs
+    # adapter
+    targets: list = field(default_factory=lambda: ["attn_q", "attn_v"])
+    layers: str = ""                                 # "" = all, else "0-3,7"
+    rank: int = 8
+    alpha: float = 16.0
+    rslora: bool = False
+    # objective and optimizer
+    tmkl: float = 0.1                                # lambda; 0 = plain SFT (no base forward at all)
+    lr: float = 1e-3
+    warmup: int = 5
+    min_lr_ratio: float = 0.1
+    steps: int = 40
+    batch_size: int = 4                              # rows per micro-batch
+    grad_accum: int = 1                              # micro-batches per optimizer step
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip: float = 1.0                                # 0 = no clipping
+    seed: int = 0                                    # adapter init
+    data_seed: int = 0                               # data order
+    # preference stage (DPO); objective sft = SFT only, dpo = DPO only, sft+dpo = SFT then DPO
+    objective: str = "sft+dpo"
+    dpo_train_file: str = str(DATA / "prefs_train.jsonl")
+    dpo_heldout_file: str = str(DATA / "prefs_heldout.jsonl")
+    dpo_steps: int = 12
+    dpo_beta: float = 0.1
+    dpo_lr: float = 5e-4
+    dpo_batch: int = 4
+    dpo_nll_weight: float = 0.0                      # optional NLL on the chosen responses
+    reference: str = "auto"                          # auto: the SFT adapter after SFT, else the base; base; none
+    # evidence, checkpoints, output
+    eval_every: int = 20
+    eval_batch: int = 8
+    checkpoint_every: int = 10
+    merge_check_rows: int = 2
+    gate_heldout_acc: float = 0.5                    # held-out label accuracy must exceed this
+    gate_preservation: float = 0.10                  # preservation loss may rise at most this (nats/token)
+    gate_train_drop: float = 0.0                     # final train loss must be below the first by more
+    gate_merge: float = 1e-2                         # merged-vs-separate max logit difference
+    verify: bool = True                              # short `vkdsl verify` pass over the kernels used
+    out: str = ""
+    quiet: bool = False
+    jsonl: bool = False
+
+    def validate(self):
+        checks = [
+            (self.max_len >= 8, "max_len must be >= 8"),
+            (self.truncation_side in ("left", "right"), "truncation_side must be 'left' or 'right'"),
+            (self.bucket >= 1, "bucket must be >= 1"),
+            (self.rank >= 1, "rank must be >= 1"),
+            (self.alpha > 0, "alpha must be > 0"),
+            (self.tmkl >= 0, "tmkl (lambda) must be >= 0"),
+            (self.lr > 0, "lr must be > 0"),
+            (self.warmup >= 0, "warmup must be >= 0"),
+            (0 <= self.min_lr_ratio <= 1, "min_lr_ratio must be in [0, 1]"),
+            (self.steps >= 1, "steps must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.grad_accum >= 1, "grad_accum must be >= 1"),
+            (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas must be two values in [0, 1)"),
+            (self.eps > 0, "eps must be > 0"),
+            (self.weight_decay >= 0, "weight_decay must be >= 0"),
+            (self.clip >= 0, "clip must be >= 0"),
+            (self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every/checkpoint_every must be >= 0"),
+            (len(self.targets) > 0, "targets must name at least one module pattern"),
+            (self.objective in ("sft", "dpo", "sft+dpo"), "objective must be sft, dpo or sft+dpo"),
+            (self.reference in ("auto", "base", "sft", "none"), "reference must be auto, base, sft or none"),
+            (self.dpo_steps >= 1 and self.dpo_batch >= 1, "dpo_steps and dpo_batch must be >= 1"),
+            (self.dpo_beta > 0 and self.dpo_lr > 0 and self.dpo_nll_weight >= 0,
+             "dpo_beta and dpo_lr must be > 0, dpo_nll_weight >= 0"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(f"config: {msg}")
+        return self
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def dumps(self):
+        return json.dumps(self.to_dict(), indent=1)
+
+    def pretty(self):
+        return "\n".join(f"  {k} = {json.dumps(v)}" for k, v in self.to_dict().items())
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _coerce(name, value):
+    """A CLI string or TOML value -> the field's type."""
+    default = FIELDS[name].default if FIELDS[name].default is not dataclasses.MISSING \
+        else FIELDS[name].default_factory()
+    try:
+        if isinstance(default, bool):
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if isinstance(default, list):
+            if isinstance(value, list):
+                return value
+            items = [v.strip() for v in str(value).split(",") if v.strip()]
+            return [float(v) for v in items] if name == "betas" else items
+        if isinstance(default, int):
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        return str(value)
+    except ValueError:
+        raise ConfigError(f"config: {name}={value!r} is not a valid {type(default).__name__}") from None
+
+
+def _unknown(key, where):
+    near = [k for k in FIELDS if k.startswith(key[:3])]
+    hint = f" (did you mean {', '.join(near)}?)" if near else ""
+    return ConfigError(f"{where}: unknown setting {key!r}{hint}; known: {', '.join(FIELDS)}")
+
+
+def load(toml_path=None, overrides: dict | None = None) -> TrainConfig:
+    """Defaults <- TOML file <- overrides (already parsed, e.g. from flags)."""
+    values = {}
+    if toml_path:
+        with open(toml_path, "rb") as f:
+            try:
+                raw = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{toml_path}: {e}") from None
+        for k, v in raw.items():
+            if k not in FIELDS:
+                raise _unknown(k, str(toml_path))
+            values[k] = _coerce(k, v)
+    for k, v in (overrides or {}).items():
+        if k not in FIELDS:
+            raise _unknown(k, "command line")
+        values[k] = _coerce(k, v)
+    return TrainConfig(**values).validate()
+
+
+def parse_flags(argv: list[str]) -> tuple[str | None, str | None, dict]:
+    """--key value / --key=value / --flag (booleans) / --no-flag -> (config path, resume dir, overrides).
+    --config and --resume are not settings themselves."""
+    cfg_path = resume = None
+    out, i = {}, 0
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("--"):
+            raise ConfigError(f"command line: unexpected argument {a!r} (settings are --name value)")
+        key, _, val = a[2:].partition("=")
+        key = key.replace("-", "_")
+        neg = key.startswith("no_") and key[3:] in FIELDS and isinstance(FIELDS[key[3:]].default, bool)
+        if key in ("config", "resume"):
+            if not val:
+                i += 1
+                if i >= len(argv):
+                    raise ConfigError(f"command line: --{key} needs a value")
+                val = argv[i]
+            cfg_path, resume = (val, resume) if key == "config" else (cfg_path, val)
+        elif neg:
+            out[key[3:]] = False
+        elif key not in FIELDS:
+            raise _unknown(key, "command line")
+        elif isinstance(FIELDS[key].default, bool) and not val:
+            out[key] = True
+        else:
+            if not val:
+                i += 1
+                if i >= len(argv):
+                    raise ConfigError(f"command line: --{key} needs a value")
+                val = argv[i]
+            out[key] = val
+        i += 1
+    return cfg_path, resume, out

@@ -1,0 +1,225 @@
+"""Training data: JSONL rows -> token ids with labels (-100 = not supervised), length batching.
+
+Row shapes (TRL's): {"prompt", "completion"} or {"messages": [{"role", "content"}, ...]},
+optional "category". Loss falls on completion / assistant tokens only, including the
+end-of-turn token so the model learns to stop. Preservation files hold plain text, one
+passage a line (or JSONL {"text": ...})."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+IGNORE = -100
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass
+class Example:
+    ids: list           # token ids
+    labels: list        # same length; IGNORE where not supervised
+    category: str
+    where: str          # "file:line" for error messages
+    prompt_ids: list = None
+    completion: str = ""
+    truncated: bool = False
+    obj: dict = None
+
+
+def read_jsonl(path) -> list[tuple[int, dict]]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: malformed JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            rows.append((n, obj))
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def _text(obj, key, where):
+    v = obj.get(key)
+    if not isinstance(v, str) or not v.strip():
+        raise DataError(f"{where}: field {key!r} is missing or empty")
+    return v
+
+
+def _segments(obj, tok, use_template, where):
+    """[(text, supervised)] in order. Assistant turns (or the completion) are supervised."""
+    if "messages" in obj:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: 'messages' must be a non-empty list")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                    or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: messages[{i}] needs a role (system/user/assistant) and string content")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{where}: no assistant message, so nothing to learn")
+    else:
+        prompt, completion = _text(obj, "prompt", where), _text(obj, "completion", where)
+        if not use_template:
+            return [(prompt, False), (completion, True)], None
+        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    segs, done = [], ""
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            head = tok.apply_chat_template(msgs[:i], add_generation_prompt=True)
+            segs.append((head[len(done):], False))
+            done = head
+        full = tok.apply_chat_template(msgs[:i + 1], add_generation_prompt=False)
+        if not full.startswith(done):
+            raise DataError(f"{where}: the chat template does not render turns as a prefix of the whole")
+        segs.append((full[len(done):], m["role"] == "assistant"))
+        done = full
+    return segs, msgs
+
+
+def encode_row(obj, tok, use_template, max_len, side, where) -> Example:
+    use_template = use_template and getattr(tok, "chat_template", None) is not None
+    segs, _ = _segments(obj, tok, use_template, where)
+    ids, labels = [], []
+    for text, sup in segs:
+        t = tok.encode(text, add_special=False) if text else []
+        if sup:
+            if tok.eos_id in t:             # supervise through end-of-turn; the newline after it is prompt
+                cut = t.index(tok.eos_id) + 1
+                lab = t[:cut] + [IGNORE] * (len(t) - cut)
+            else:
+                lab = list(t)
+            if not use_template and "messages" not in obj:   # plain text: the completion ends with EOS
+                t, lab = t + [tok.eos_id], lab + [tok.eos_id]
+            if not any(x != IGNORE for x in lab):
+                raise DataError(f"{where}: the completion is empty after tokenization")
+        else:
+            lab = [IGNORE] * len(t)
+        ids += t
+        labels += lab
+    # Labels are next-token targets: position i predicts ids[i+1].
+    tgt = labels[1:] + [IGNORE]
+    ids, tgt, trunc = _truncate(ids, tgt, max_len, side, where)
+    return Example(ids, tgt, str(obj.get("category", "")), where, truncated=trunc,
+                   completion=completion_of(obj), obj=obj)
+
+
+def completion_of(obj) -> str:
+    if "messages" in obj:
+        return [m["content"] for m in obj["messages"] if m["role"] == "assistant"][-1]
+    return str(obj.get("completion", ""))
+
+
+def with_completion(obj, text) -> dict:
+    """The same row with its (last assistant) completion replaced: label candidates."""
+    if "messages" not in obj:
+        return dict(obj, completion=text)
+    msgs = [dict(m) for m in obj["messages"]]
+    last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    msgs[last]["content"] = text
+    return dict(obj, messages=msgs)
+
+
+def _truncate(ids, tgt, max_len, side, where):
+    if len(ids) <= max_len:
+        return ids, tgt, False
+    first = next(i for i, x in enumerate(tgt) if x != IGNORE)      # last prompt position
+    if side == "right":
+        if first + 1 >= max_len:
+            raise DataError(f"{where}: the prompt ({first + 1} tokens) leaves no room for the completion "
+                            f"at max_len={max_len}")
+        return ids[:max_len], tgt[:max_len], True
+    drop = len(ids) - max_len
+    if drop > first:
+        raise DataError(f"{where}: the completion alone ({len(ids) - first - 1} tokens) does not fit "
+                        f"max_len={max_len} with left truncation")
+    return ids[drop:], tgt[drop:], True
+
+
+def load_examples(path, tok, use_template, max_len, side) -> list[Example]:
+    return [encode_row(obj, tok, use_template, max_len, side, f"{path}:{n}") for n, obj in read_jsonl(path)]
+
+
+def load_passages(path, tok, max_len) -> list[Example]:
+    """Preservation text: every next token is scored. Plain lines or JSONL {"text"}."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            text = line.strip()
+            if str(path).endswith(".jsonl"):
+                try:
+                    text = _text(json.loads(line), "text", f"{path}:{n}")
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{n}: malformed JSON: {e.msg}") from None
+            ids = tok.encode(text, add_special=False)[:max_len]
+            if len(ids) < 2:
+                raise DataError(f"{path}:{n}: a passage needs at least 2 tokens")
+            out.append(Example(ids, ids[1:] + [IGNORE], "preservation", f"{path}:{n}"))
+    if not out:
+        raise DataError(f"{path}: no passages")
+    return out
+
+
+def bucket_len(n, bucket, max_len):
+    return min(-(-n // bucket) * bucket, max_len)
+
+
+def collate(rows: list[Example], pad_id, bucket, max_len):
+    """Right padding (causal attention keeps real tokens blind to it), labels -100 on padding.
+    -> ids (B, T) int32, labels (B, T) int32."""
+    T = bucket_len(max(len(r.ids) for r in rows), bucket, max_len)
+    ids = np.full((len(rows), T), pad_id, np.int32)
+    lab = np.full((len(rows), T), IGNORE, np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r.ids)] = r.ids
+        lab[i, :len(r.labels)] = r.labels
+    return ids, lab
+
+
+def check_batches(rows: list[Example], batch_size):
+    """Preflight: rows with no supervised token (after truncation) are named."""
+    bad = [r.where for r in rows if not any(x != IGNORE for x in r.labels)]
+    if bad:
+        raise DataError(f"{len(bad)} row(s) have no supervised token after truncation: {', '.join(bad[:10])}")
+
+
+class Sampler:
+    """Epoch-wise shuffled order (seeded), grouped by length inside windows so batches pad little.
+    state() / set_state() make the order resumable."""
+
+    def __init__(self, examples, rows_per_step, seed):
+        self.ex, self.n = examples, rows_per_step
+        self.rng = np.random.default_rng(seed)
+        self.queue = []
+
+    def _refill(self):
+        order = self.rng.permutation(len(self.ex)).tolist()
+        w = self.n * 4
+        for s in range(0, len(order), w):
+            order[s:s + w] = sorted(order[s:s + w], key=lambda i: len(self.ex[i].ids))
+        self.queue += order
+
+    def next(self) -> list[int]:
+        while len(self.queue) < self.n:
+            self._refill()
+        out, self.queue = self.queue[:self.n], self.queue[self.n:]
+        return out
+
+    def state(self):
+        return {"rng": self.rng.bit_generator.state, "queue": list(self.queue)}
+
+    def set_state(self, st):
+        self.rng.bit_generator.state = st["rng"]
+        self.queue = list(st["queue"])

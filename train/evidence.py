@@ -1,0 +1,176 @@
+"""What was learned: held-out loss and label accuracy (Wilson 95%), preservation change vs
+the base, per-category loss, adapter checksum, spectrum of s*A*B, merged-vs-separate check,
+and the end-of-run gates."""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict
+
+import numpy as np
+
+import vkdsl
+from vkdsl.ops import losses
+
+from .data import IGNORE, Example, collate
+from .step import select, selected_logits
+
+
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+class Scorer:
+    """Per-row sum of next-token log-probs over supervised positions, adapters on or off."""
+
+    def __init__(self, model, pad_id, bucket, max_len, batch):
+        self.model, self.pad, self.bucket, self.max_len, self.batch = model, pad_id, bucket, max_len, batch
+        self.fns = {on: self._build(on) for on in (True, False)}
+
+    def _build(self, on):
+        @vkdsl.trace
+        def score(ids, pos, labels):
+            lp, _ = losses.token_logprobs(selected_logits(self.model, ids, pos, on), labels)
+            return lp
+        return score
+
+    def row_logprobs(self, rows: list[Example], adapters_on=True, extra=None):
+        """-> [(sum log p over the row's supervised tokens, count)], and when extra (per row a list
+        of (position, token)) is given, also the log-probs of those tokens at those positions."""
+        out, ext = [], []
+        for s in range(0, len(rows), self.batch):
+            chunk = rows[s:s + self.batch]
+            fill = [Example(chunk[0].ids, [IGNORE] * len(chunk[0].ids), "", "")] * (self.batch - len(chunk))
+            ids, lab = collate(chunk + fill, self.pad, self.bucket, self.max_len)   # one batch shape: fewer programs
+            T = ids.shape[1]
+            pos, sl, owner = [], [], []
+            for i in range(len(chunk)):
+                for t in np.flatnonzero(lab[i] != IGNORE):
+                    pos.append(i * T + t), sl.append(lab[i, t]), owner.append((i, -1))
+                for j, (t, tokid) in enumerate((extra[s + i] if extra else [])):
+                    pos.append(i * T + t), sl.append(tokid), owner.append((i, j))
+            S = -(-len(pos) // 64) * 64
+            p = np.zeros(S, np.int32)
+            lb = np.full(S, IGNORE, np.int32)
+            p[:len(pos)], lb[:len(pos)] = pos, sl
+            lp = np.asarray(self.fns[adapters_on](ids, p, lb), np.float64)
+            for i in range(len(chunk)):
+                mine = [k for k, o in enumerate(owner) if o == (i, -1)]
+                out.append((float(lp[mine].sum()), len(mine)))
+                ext.append([float(lp[k]) for k, o in enumerate(owner) if o[0] == i and o[1] >= 0])
+        return (out, ext) if extra else out
+
+
+def mean_loss(scored):
+    tot, n = sum(-s for s, _ in scored), sum(k for _, k in scored)
+    return tot / max(n, 1)
+
+
+def label_candidates(heldout: list[Example], labels, encode):
+    """For rows whose completion is a declared label: one scored row per label."""
+    idx, cands = [], []
+    for i, ex in enumerate(heldout):
+        if ex.completion.strip() in labels:
+            idx.append(i)
+            cands += [encode(ex, lab) for lab in labels]
+    return idx, cands
+
+
+def accuracy(heldout, idx, cand_scores, labels):
+    k = 0
+    for j, i in enumerate(idx):
+        sc = [cand_scores[j * len(labels) + t][0] for t in range(len(labels))]
+        k += labels[int(np.argmax(sc))] == heldout[i].completion.strip()
+    return k, len(idx)
+
+
+def per_category(rows, scored):
+    acc = defaultdict(lambda: [0.0, 0])
+    for ex, (s, n) in zip(rows, scored):
+        acc[ex.category or "-"][0] -= s
+        acc[ex.category or "-"][1] += n
+    return {c: v[0] / max(v[1], 1) for c, v in sorted(acc.items())}
+
+
+def checksum(params) -> str:
+    h = hashlib.sha256()
+    for p in params:
+        h.update(np.ascontiguousarray(p, np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def spectrum(model, names, top=4):
+    """Per module: singular values of the learned update s*A*B (in, out) and its stable rank."""
+    out = {}
+    for n in names:
+        lo = model.lora[n]
+        d = lo.scale * (lo.A.numpy().astype(np.float64) @ lo.B.numpy().astype(np.float64))
+        sv = np.linalg.svd(d, compute_uv=False)
+        sr = float((sv ** 2).sum() / sv[0] ** 2) if sv[0] > 0 else 0.0
+        out[n] = {"sv": [float(x) for x in sv[:top]], "stable_rank": sr, "fro": float(np.sqrt((sv ** 2).sum()))}
+    return out
+
+
+def merged_check(model, ckpt, name, ids: np.ndarray):
+    """Whole-model logits on a small held-out batch: the adapted module `name` replaced by a
+    dense numpy-dequantized copy of W + (s A B)^T with its adapter removed, vs the separate
+    path (packed W, adapter beside it). -> (max abs logit diff, argmax agreement)."""
+    from vkdsl.models.weights import Dense
+    lo = model.lora[name]
+    W = ckpt[name + ".weight"].dequantize().astype(np.float64)                 # (out, in)
+    merged = W + lo.scale * (lo.A.numpy().astype(np.float64) @ lo.B.numpy().astype(np.float64)).T
+    x = vkdsl.tensor(ids.astype(np.int32))
+    sep = model.forward(x).numpy()
+    orig = model.linear[name]
+    model.linear[name], model.lora[name] = Dense(merged.astype(np.float32), name + ".merged"), None
+    try:
+        mer = model.forward(x).numpy()
+    finally:
+        model.linear[name], model.lora[name] = orig, lo
+    return float(np.abs(mer - sep).max()), float((mer.argmax(-1) == sep.argmax(-1)).mean())
+
+
+def gates(ev, first_loss, cfg):
+    g = []
+    if ev.get("heldout_acc") is not None:
+        g.append(("held-out accuracy", ev["heldout_acc"] > cfg.gate_heldout_acc,
+                  f"{ev['heldout_acc']:.3f} > {cfg.gate_heldout_acc}"))
+    g.append(("preservation damage", ev["preservation_delta"] <= cfg.gate_preservation,
+              f"{ev['preservation_delta']:+.4f} <= {cfg.gate_preservation} nats/token"))
+    g.append(("train loss fell", first_loss - ev["train_loss"] > cfg.gate_train_drop,
+              f"{first_loss:.4f} -> {ev['train_loss']:.4f}"))
+    g.append(("adapter changed", ev["checksum_changed"], f"checksum {ev['checksum']}"))
+    if ev.get("merge_max_diff") is not None:
+        g.append(("merged == separate", ev["merge_max_diff"] <= cfg.gate_merge,
+                  f"max diff {ev['merge_max_diff']:.2e} <= {cfg.gate_merge}"))
+    return g
+
+
+def table(ev) -> str:
+    L = [f"evidence at step {ev['step']}:",
+         f"  train loss (last step)       {ev['train_loss']:.4f}",
+         f"  held-out loss                {ev['heldout_loss']:.4f}  (base {ev['heldout_loss_base']:.4f})"]
+    if ev.get("heldout_acc") is not None:
+        lo, hi = ev["heldout_acc_ci"]
+        L.append(f"  held-out accuracy            {ev['heldout_acc']:.3f}  Wilson 95% [{lo:.3f}, {hi:.3f}]  "
+                 f"({ev['heldout_correct']}/{ev['heldout_n']}; base {ev['heldout_acc_base']:.3f})")
+    L.append(f"  preservation delta           {ev['preservation_delta']:+.4f} nats/token vs base "
+             f"({ev['preservation_loss']:.4f} vs {ev['preservation_loss_base']:.4f})")
+    for c, v in ev["category_loss"].items():
+        L.append(f"  held-out loss [{c}]{' ' * max(1, 13 - len(c))}{v:.4f}")
+    L.append(f"  adapter checksum             {ev['checksum']} ({'changed' if ev['checksum_changed'] else 'UNCHANGED'} since init)")
+    if ev.get("merge_max_diff") is not None:
+        L.append(f"  merged vs separate           max diff {ev['merge_max_diff']:.2e}, argmax agreement "
+                 f"{ev['merge_argmax']:.3f} ({ev['merge_module']})")
+    for n, s in list(ev["spectrum"].items())[:4]:
+        L.append(f"  {n:<20} sv {', '.join(f'{x:.3g}' for x in s['sv'])}  stable rank {s['stable_rank']:.2f}")
+    if len(ev["spectrum"]) > 4:
+        srs = [s["stable_rank"] for s in ev["spectrum"].values()]
+        L.append(f"  ({len(srs)} modules: stable rank min {min(srs):.2f} / mean {np.mean(srs):.2f} / max {max(srs):.2f})")
+    return "\n".join(L)

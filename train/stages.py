@@ -1,0 +1,87 @@
+"""After the SFT loop: the DPO stage (when the objective asks for it), the adapter export
+(PEFT folder, GGUF LoRA, provenance manifest) and report.html."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import vkdsl
+
+from . import checkpoint, dpo
+from .report import build_report
+
+
+def _hash_text(t) -> str:
+    return hashlib.sha256(str(t).encode()).hexdigest()
+
+
+def dpo_stage(r):
+    """Train the same adapters with DPO; record evidence; returns the evidence dict."""
+    cfg, rep = r.cfg, r.r
+    enc = (cfg.chat_template, cfg.max_len, cfg.truncation_side)
+    pairs, same = dpo.load_pairs(cfg.dpo_train_file, r.tok, *enc)
+    held, same_h = dpo.load_pairs(cfg.dpo_heldout_file, r.tok, *enc) if cfg.dpo_heldout_file else ([], 0)
+    if same or same_h:
+        rep.say(f"warning: {same + same_h} preference pair(s) have identical chosen and rejected responses; "
+                f"skipped")
+    reference = cfg.reference if cfg.reference != "auto" else ("sft" if cfg.objective == "sft+dpo" else "base")
+    rep.say(f"DPO: {len(pairs)} training pairs, {len(held)} held-out pairs, beta {cfg.dpo_beta}, reference = "
+            f"{ {'sft': 'the SFT adapter, frozen', 'base': 'the base (adapter off)', 'none': 'none (control)'}[reference]}")
+    hashes = {"base": r.identity["base_sha256"], "tokenizer": r.identity["tokenizer_sha256"],
+              "template": _hash_text(r.tok.chat_template)}
+    dcfg = dict(pad_id=r.pad, bucket=cfg.bucket, max_len=cfg.max_len, dpo_batch=cfg.dpo_batch, dpo_beta=cfg.dpo_beta,
+                dpo_lr=cfg.dpo_lr, dpo_steps=cfg.dpo_steps, dpo_nll_weight=cfg.dpo_nll_weight, clip=cfg.clip,
+                betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, seed=cfg.data_seed)
+    base_pres = r.base["pres"] if getattr(r, "base", None) else None
+
+    def event(kind, **rec):
+        rep.event(kind, **rec)
+        with open(r.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"event": kind, **rec, "step": cfg.steps + rec.get("step", 0)}) + "\n")
+    t0 = time.perf_counter()
+    history, ev = dpo.train_dpo(r.model, r.params, r.tok, dcfg, pairs, held, r.dir, rep.say, event, reference, hashes)
+    if base_pres is not None and r.passages:
+        ev["preservation_delta"] = r._scores(True)["pres"] - base_pres
+    rep.say(f"DPO evidence ({time.perf_counter() - t0:.0f}s):")
+    for split in ("train", "heldout"):
+        e = ev.get(split)
+        if e:
+            rep.say(f"  {split}: pair accuracy {e['pair_accuracy']:.3f} | improvement accuracy "
+                    f"{e['improvement_accuracy']:.3f} | mean margin improvement {e['margin_improvement']:+.3f} nats | "
+                    f"chosen drift {e['chosen_drift']:+.3f} | rejected drift {e['rejected_drift']:+.3f}")
+    if "preservation_delta" in ev:
+        rep.say(f"  preservation change vs base: {ev['preservation_delta']:+.4f} nats/token")
+    rep.say("  " + dpo.margin_story(ev["heldout"] or ev["train"]))
+    with open(r.dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"event": "dpo_evidence", "step": cfg.steps + cfg.dpo_steps,
+                            **{f"dpo_{k}": v for k, v in ev.items() if v is not None}}) + "\n")
+    return ev
+
+
+def export(r, dpo_ev=None):
+    """PEFT folder + GGUF adapter + manifest in the run folder, then report.html."""
+    from vkdsl.models.adapters import save_adapter_bundle
+    from vkdsl.runtime import default_device
+    cfg = r.cfg
+    dev = default_device().info
+    summary = {"objective": cfg.objective, "sft_steps": r.step, "dpo_steps": cfg.dpo_steps if "dpo" in cfg.objective
+               else 0, "final": r.final, "gates": [{"name": n, "passed": ok, "detail": w} for n, ok, w in r.gates],
+               "dpo": dpo_ev}
+    extra = {"data": {k: {"file": getattr(cfg, k), "sha256": checkpoint.sha256_file(getattr(cfg, k))}
+                      for k in ("train_file", "heldout_file", "preservation_file", "dpo_train_file", "dpo_heldout_file")
+                      if getattr(cfg, k)},
+             "rows": {"train": len(r.train), "heldout": len(r.heldout), "preservation": len(r.passages)},
+             "seeds": {"adapter": cfg.seed, "data": cfg.data_seed}, "objective": cfg.objective,
+             "hyper_parameters": {k: getattr(cfg, k) for k in ("lr", "steps", "tmkl", "dpo_beta", "dpo_lr", "dpo_steps",
+                                                                "dpo_nll_weight", "reference", "batch_size",
+                                                                "grad_accum", "clip", "weight_decay")},
+             "max_len": cfg.max_len, "truncation_side": cfg.truncation_side,
+             "masking": "loss on assistant/completion tokens incl. end-of-turn; prompt and padding = -100",
+             "device": f"{dev.name} ({dev.driver} {dev.driver_info})", "vkdsl": vkdsl.__version__,
+             "final_metrics": r.final, "gates": summary["gates"]}
+    save_adapter_bundle(r.model, r.dir, model_path=r.model_path, tokenizer=r.tok, r=cfg.rank, alpha=cfg.alpha,
+                        rslora=cfg.rslora, base_name=str(r.model_path).rsplit("/", 1)[-1], extra=extra)
+    checkpoint.atomic_write(r.dir / "summary.json", json.dumps(summary, indent=1, default=str).encode())
+    r.r.say(f"adapter: {r.dir / 'adapter'} (PEFT) and {r.dir / 'adapter.gguf'} (llama.cpp --lora), with manifest")
+    r.r.say(f"report: {build_report(r.dir)}")

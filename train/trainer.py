@@ -1,0 +1,289 @@
+"""The training run: load, inject, preflight, train, evidence, gates, checkpoints, resume."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from vkdsl.models import load_model_files
+from vkdsl.models.llama import Llama
+from vkdsl.ops.losses import check_labels
+
+from . import checkpoint, evidence
+from .data import (IGNORE, DataError, Sampler, check_batches, collate, encode_row, load_examples,
+                   load_passages, with_completion)
+from .inject import count_report, inject, params_of
+from .progress import Reporter
+from .schedule import checkpoints as lr_points
+from .schedule import lr_at
+from .step import Stepper
+
+
+class TrainingStopped(RuntimeError):
+    pass
+
+
+class Run:
+    def __init__(self, cfg, run_dir, reporter: Reporter):
+        self.cfg, self.dir, self.r = cfg, Path(run_dir), reporter
+        path = cfg.model
+        if not path:
+            from vkdsl.models.default import default_model_path
+            path = default_model_path()
+        self.model_path = path
+        t0 = time.perf_counter()
+        self.ckpt, self.tok = load_model_files(path)
+        self.model = Llama(self.ckpt)
+        self.identity = {"base_sha256": checkpoint.sha256_file(path),
+                         "tokenizer_sha256": checkpoint.tokenizer_hash(self.tok)}
+        self.names = inject(self.model, cfg)
+        self.params = params_of(self.model, self.names)
+        self.r.say(f"model {path} loaded in {time.perf_counter() - t0:.1f}s")
+        self.r.say(count_report(self.model, self.names)[2])
+        self.pad = self.tok.pad_id if self.tok.pad_id is not None else self.tok.eos_id
+        enc = (cfg.chat_template, cfg.max_len, cfg.truncation_side)
+        self.train = load_examples(cfg.train_file, self.tok, *enc)
+        self.heldout = load_examples(cfg.heldout_file, self.tok, *enc) if cfg.heldout_file else []
+        self.passages = load_passages(cfg.preservation_file, self.tok, cfg.max_len) if cfg.preservation_file else []
+        for what, rows in (("train", self.train), ("held-out", self.heldout)):
+            n = sum(r.truncated for r in rows)
+            self.r.say(f"{what}: {len(rows)} rows, {n} truncated ({cfg.truncation_side} side, max_len {cfg.max_len})")
+        self.r.say(f"preservation: {len(self.passages)} passages")
+        self.stepper = Stepper(self.model, self.params, cfg)
+        self.sampler = Sampler(self.train, cfg.batch_size * cfg.grad_accum, cfg.data_seed)
+        self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch)
+        self.init_sum = evidence.checksum([p.numpy() for p in self.params])
+        self.step, self.first_loss, self.last_loss = 0, None, None
+
+    # ---- preflight ----
+    def preflight(self):
+        cfg = self.cfg
+        for label, s, lr in lr_points(cfg):
+            self.r.say(f"preflight: lr at {label} (step {s}) = {lr:.3e}")
+            if not lr > 0:
+                raise ValueError(f"preflight: the schedule applies lr {lr} at {label} (step {s}); "
+                                 f"training would not move (check lr, min_lr_ratio, warmup)")
+        check_batches(self.train, cfg.batch_size)
+        for r in self.train:
+            check_labels(np.array(r.labels), self.model.cfg.vocab_size, what=r.where)
+        if not self.params:
+            raise ValueError("preflight: no trainable parameters")
+        self.r.say(f"preflight: all {len(self.train)} training rows have supervised tokens; OK")
+
+    def after_first_step(self, raw):
+        dead = [n for k, n in enumerate(self.names) if not np.any(raw[2 * k + 1])]
+        if dead:
+            raise ValueError(f"preflight: after step 1 the B gradient is zero for {', '.join(dead[:6])}: "
+                             f"these adapters do not reach the loss")
+        zero_a = sum(not np.any(raw[2 * k]) for k in range(len(self.names)))
+        self.r.say(f"preflight: step 1 gradients reach every adapter's B ({len(self.names)} modules). "
+                   f"dA = 0 in {zero_a}/{len(self.names)} modules, as expected: dA = x^T (dY B^T) s contains "
+                   f"B, which starts at 0; A moves from step 2 on")
+
+    # ---- batches ----
+    def micro_batches(self, idx):
+        bs = self.cfg.batch_size
+        out = []
+        for s in range(0, len(idx), bs):
+            rows = [self.train[i] for i in idx[s:s + bs]]
+            ids, lab = collate(rows, self.pad, self.cfg.bucket, self.cfg.max_len)
+            if not (lab != IGNORE).any():
+                raise DataError(f"batch at step {self.step + 1} has no supervised token: rows "
+                                f"{', '.join(r.where for r in rows)}")
+            out.append((ids, lab))
+        return out
+
+    # ---- evidence ----
+    def encode_candidate(self, ex, label):
+        c = self.cfg
+        return encode_row(with_completion(ex.obj, label), self.tok, c.chat_template, c.max_len,
+                          c.truncation_side, ex.where)
+
+    def base_evidence(self):
+        t0 = time.perf_counter()
+        self.cand_idx, self.cands = evidence.label_candidates(self.heldout, self.cfg.labels, self.encode_candidate)
+        self.extra = self._single_token_labels()
+        if self.extra is not None:
+            self.r.say("labels are single tokens after the prompt: each held-out row is scored once, "
+                       "comparing the label tokens' log-probs at the answer position")
+        self.base = self._scores(adapters_on=False)
+        self.r.say(f"base evaluation in {time.perf_counter() - t0:.1f}s: held-out loss {self.base['heldout_loss']:.4f}"
+                   + (f", label accuracy {self.base['acc']:.3f}" if self.base['acc'] is not None else "")
+                   + f", preservation loss {self.base['pres']:.4f}")
+
+    def _single_token_labels(self):
+        """Per held-out row [(answer position, label token) for each label] when every label is
+        one token at the same position after an identical prefix; else None (score candidates)."""
+        L = len(self.cfg.labels)
+        extra = [[] for _ in self.heldout]
+        for j, i in enumerate(self.cand_idx):
+            ex = self.heldout[i]
+            p0 = next(t for t, x in enumerate(ex.labels) if x != IGNORE)
+            for c in self.cands[j * L:(j + 1) * L]:
+                q0 = next(t for t, x in enumerate(c.labels) if x != IGNORE)
+                sup = [x for x in c.labels if x != IGNORE]
+                if q0 != p0 or c.ids[:p0 + 1] != ex.ids[:p0 + 1] or len(sup) != 2 or sup[1] != self.tok.eos_id:
+                    return None
+                extra[i].append((p0, sup[0]))
+        return extra
+
+    def _scores(self, adapters_on):
+        if self.extra is not None:
+            held, ext = self.scorer.row_logprobs(self.heldout, adapters_on, self.extra)
+            k = n = 0
+            for i in self.cand_idx:
+                n += 1
+                k += self.cfg.labels[int(np.argmax(ext[i]))] == self.heldout[i].completion.strip()
+            pres = self.scorer.row_logprobs(self.passages, adapters_on) if self.passages else []
+            return {"held": held, "heldout_loss": evidence.mean_loss(held), "acc": k / n if n else None,
+                    "k": k, "n": n, "pres": evidence.mean_loss(pres) if pres else 0.0}
+        lab_set = set(self.cand_idx)
+        rest = [ex for i, ex in enumerate(self.heldout) if i not in lab_set]
+        cand = self.scorer.row_logprobs(self.cands, adapters_on) if self.cands else []
+        other = self.scorer.row_logprobs(rest, adapters_on) if rest else []
+        L = len(self.cfg.labels)
+        held, it = [], iter(other)
+        pos = {i: j for j, i in enumerate(self.cand_idx)}
+        for i, ex in enumerate(self.heldout):       # the true label's candidate is the row itself
+            if i in pos:
+                held.append(cand[pos[i] * L + self.cfg.labels.index(ex.completion.strip())])
+            else:
+                held.append(next(it))
+        acc = None
+        k = n = 0
+        if self.cand_idx:
+            k, n = evidence.accuracy(self.heldout, self.cand_idx, cand, self.cfg.labels)
+            acc = k / n
+        pres = self.scorer.row_logprobs(self.passages, adapters_on) if self.passages else []
+        return {"held": held, "heldout_loss": evidence.mean_loss(held) if held else float("nan"),
+                "acc": acc, "k": k, "n": n, "pres": evidence.mean_loss(pres) if pres else 0.0}
+
+    def evaluate(self):
+        t0 = time.perf_counter()
+        sc = self._scores(adapters_on=True)
+        ps = [p.numpy() for p in self.params]
+        ev = {"step": self.step, "train_loss": self.last_loss, "heldout_loss": sc["heldout_loss"],
+              "heldout_loss_base": self.base["heldout_loss"],
+              "heldout_acc": sc["acc"], "heldout_correct": sc["k"], "heldout_n": sc["n"],
+              "heldout_acc_ci": evidence.wilson(sc["k"], sc["n"]) if sc["n"] else None,
+              "heldout_acc_base": self.base["acc"],
+              "preservation_loss": sc["pres"], "preservation_loss_base": self.base["pres"],
+              "preservation_delta": sc["pres"] - self.base["pres"],
+              "category_loss": evidence.per_category(self.heldout, sc["held"]),
+              "checksum": evidence.checksum(ps)}
+        ev["checksum_changed"] = ev["checksum"] != self.init_sum
+        ev["spectrum"] = evidence.spectrum(self.model, self.names)
+        ev.update(self._merge_check())
+        ev["eval_seconds"] = time.perf_counter() - t0
+        self.r.say(evidence.table(ev))
+        self.r.event("eval", **ev)
+        with open(self.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"event": "eval", **ev}) + "\n")
+        return ev
+
+    def _merge_check(self):
+        """On the first few held-out rows (unpadded lengths cut to the shortest), for the first
+        adapted module."""
+        n = self.cfg.merge_check_rows
+        rows = (self.heldout or self.train)[:n]
+        if not n or not rows:
+            return {}
+        T = min(len(r.ids) for r in rows)
+        ids = np.array([r.ids[:T] for r in rows], np.int32)
+        name = self.names[0]
+        d, agree = evidence.merged_check(self.model, self.ckpt, name, ids)
+        return {"merge_max_diff": d, "merge_argmax": agree, "merge_module": name}
+
+    # ---- the loop ----
+    def restore(self, run_dir):
+        meta, params, opt = checkpoint.load(run_dir)
+        checkpoint.check_identity(meta, self.identity)
+        if meta["modules"] != self.names:
+            raise ValueError("refusing to resume: the checkpoint's adapted modules differ from the config's")
+        import vkdsl
+        for p, a in zip(self.params, params):
+            p.assign(vkdsl.tensor(a))
+        self.stepper.opt.load(opt)
+        self.sampler.set_state(meta["sampler"])
+        self.step, self.first_loss = meta["step"], meta.get("first_loss")
+        self.last_loss = meta.get("last_loss")
+        self.init_sum = meta.get("init_checksum", self.init_sum)
+        self.r.say(f"resumed from {run_dir} at step {self.step}")
+
+    def save(self):
+        ps = [p.numpy() for p in self.params]
+        checkpoint.save(self.dir, self.step, self.names, ps, self.stepper.opt.state(), self.sampler.state(),
+                        {**self.identity, "first_loss": self.first_loss, "last_loss": self.last_loss,
+                         "init_checksum": self.init_sum})
+
+    def train_loop(self, stop_after=None):
+        cfg = self.cfg
+        while self.step < cfg.steps:
+            micro = self.micro_batches(self.sampler.next())
+            lr = lr_at(self.step + 1, cfg)
+            t0 = time.perf_counter()
+            rec = self.stepper.step(micro, lr)
+            if not math.isfinite(rec["loss"]) or not math.isfinite(rec["tmkl"]):
+                raise TrainingStopped(f"non-finite loss ({rec['loss']}) at step {self.step + 1}: stopped "
+                                      f"before applying it; the last good checkpoint (step "
+                                      f"{self._ckpt_step()}) is kept in {self.dir}")
+            self.step += 1
+            rec.update(lr=lr, time=time.perf_counter() - t0, seq_tokens=sum(i.size for i, _ in micro))
+            if self.step == 1 and self.first_loss is None:
+                self.first_loss = rec["loss"]
+            if self.step == 1:
+                self.after_first_step(rec["raw_grads"])
+            self.last_loss = rec["loss"]
+            self.r.progress(self.step, cfg.steps, rec)
+            with open(self.dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"event": "step", "step": self.step,
+                                    **{k: v for k, v in rec.items() if k != "raw_grads"}}) + "\n")
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save()
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+                self.evaluate()
+            if stop_after is not None and self.step >= stop_after:
+                return False
+        return True
+
+    def _ckpt_step(self):
+        p = self.dir / "checkpoint.json"
+        return json.loads(p.read_text())["step"] if p.is_file() else "none"
+
+
+def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
+    """Returns the Run (its final evidence in .final, gates in .gates)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rep = Reporter(run_dir / "train.log", cfg.quiet, cfg.jsonl)
+    rep.say("configuration:\n" + cfg.pretty())
+    if not resume:
+        checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
+    r = Run(cfg, run_dir, rep)
+    r.preflight()
+    if resume:
+        r.restore(resume)
+    if evidence_at_end:
+        r.base_evidence()
+    t0 = time.perf_counter()
+    finished = True if cfg.objective == "dpo" else r.train_loop(stop_after)
+    r.train_seconds = time.perf_counter() - t0
+    if finished and cfg.checkpoint_every and r.step % cfg.checkpoint_every:
+        r.save()
+    r.final, r.gates = None, []
+    if finished:
+        np.savez(run_dir / "adapter.npz", **{f"{n}.lora_A": r.model.lora[n].A.numpy() for n in r.names},
+                 **{f"{n}.lora_B": r.model.lora[n].B.numpy() for n in r.names})
+        if evidence_at_end:
+            r.final = r.evaluate()
+            r.gates = evidence.gates(r.final, r.first_loss, cfg)
+            rep.say("gates:")
+            for name, ok, why in r.gates:
+                rep.say(f"  {'PASS' if ok else 'FAIL'}  {name}: {why}")
+            rep.event("gates", gates=[{"gate": n, "pass": ok, "detail": w} for n, ok, w in r.gates])
+            checkpoint.atomic_write(run_dir / "gates.json", json.dumps(
+                [{"gate": n, "pass": ok, "detail": w} for n, ok, w in r.gates], indent=1).encode())
+    return r
