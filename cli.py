@@ -302,7 +302,7 @@ def logits(device, model_path, prompt, out, chat, adapter, force):
         raise click.ClickException(f"the prompt is {len(ids)} tokens; the model's context is "
                                    f"{model.cfg.context_length}")
     lg = vkdsl.trace(lambda x: model.forward(x))(np.array([ids], np.int32))[0]
-    from vkdsl.compiler.cache import atomic_write
+    from vkdsl.fileio import atomic_write
     import io
     buf = io.BytesIO()
     np.save(buf, lg.astype(np.float32))

@@ -15,6 +15,8 @@ Q/K row order and y = x W^T + s (x A) B.
 """
 from __future__ import annotations
 
+from vkdsl.fileio import commit_temp
+
 import json
 import math
 import os
@@ -237,9 +239,7 @@ def save_gguf_adapter(model, path, *, r: int | None = None, alpha: float | None 
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        commit_temp(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -7,11 +7,12 @@ dtype, plus whatever the trainer passes: data hashes, seeds, objective, metrics,
 """
 from __future__ import annotations
 
+from vkdsl.fileio import atomic_write
+
 import hashlib
 import json
 import os
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -114,25 +115,7 @@ def build_manifest(model_path: str | os.PathLike, tokenizer, *, target_modules, 
     return m
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write to a temp file in the same folder, fsync, os.replace: readers never see a
-    half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+atomic_write_bytes = atomic_write     # kept as a name for this module's callers
 
 
 def write_manifest(folder_or_file: str | os.PathLike, manifest: dict) -> Path:

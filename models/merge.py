@@ -7,6 +7,8 @@ the update lost to requantization measured). Hugging Face bases give a safetenso
 """
 from __future__ import annotations
 
+from vkdsl.fileio import commit_temp
+
 import os
 import shutil
 import tempfile
@@ -111,9 +113,7 @@ def _merge_gguf(model_path: Path, aw, out_path: Path, out_type: str, report: dic
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out_path)
+        commit_temp(tmp, out_path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -1,10 +1,11 @@
 """Atomic checkpoints (adapter + optimizer + step + data order) and the base-model identity."""
 from __future__ import annotations
 
+from vkdsl.fileio import atomic_write  # noqa: F401  (train modules import it from here)
+
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -27,16 +28,6 @@ def tokenizer_hash(tok) -> str:
         h.update((tok.id_to_token(i) or "").encode("utf-8", "surrogatepass") + b"\0")
     h.update(str((tok.bos_id, tok.eos_id, tok.pad_id, tok.chat_template)).encode())
     return h.hexdigest()
-
-
-def atomic_write(path, data: bytes):
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def save(run_dir, step, names, params, opt_state, sampler_state, identity):

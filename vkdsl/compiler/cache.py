@@ -7,7 +7,8 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-import tempfile
+
+from ..fileio import atomic_write
 
 SPIRV_MAGIC = b"\x03\x02\x23\x07"
 
@@ -27,22 +28,6 @@ def key(*parts: str) -> str:
 
 def valid_spirv(blob: bytes) -> bool:
     return len(blob) >= 20 and len(blob) % 4 == 0 and blob[:4] == SPIRV_MAGIC
-
-
-def atomic_write(path: str, data: bytes):
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def load(k: str) -> bytes | None:
