@@ -127,16 +127,22 @@ def dpo_evidence(scorer, pairs, rc, rr) -> dict:
 
 def margin_story(ev: dict) -> str:
     """Which side carried the margin: chosen going up, or rejected going down."""
-    up, down = ev["chosen_drift"], -ev["rejected_drift"]
+    up, down = ev["chosen_drift"], -ev["rejected_drift"]     # both positive when they help
     total = up + down
+    detail = f"chosen drift {up:+.3f} nats, rejected drift {-down:+.3f} nats per pair"
     if abs(total) < 1e-9:
-        return "the margin did not move"
+        return f"the margin did not move ({detail})"
     if total < 0:
-        return f"the margin shrank by {-total:.3f} nats (chosen {up:+.3f}, rejected {-down:+.3f})"
+        return f"the margin shrank by {-total:.3f} nats ({detail})"
+    if up < 0:
+        return (f"the margin grew by {total:.3f} nats only because rejected responses fell further than chosen "
+                f"ones: chosen log-probs also went down ({detail})")
+    if down < 0:
+        return (f"the margin grew by {total:.3f} nats only because chosen responses rose more than rejected "
+                f"ones ({detail})")
     share = down / total
     side = "lowering rejected responses" if share >= 0.5 else "raising chosen responses"
-    return (f"{100 * max(share, 1 - share):.0f}% of the margin came from {side} "
-            f"(chosen drift {up:+.3f} nats, rejected drift {-down:+.3f} nats per pair)")
+    return f"{100 * max(share, 1 - share):.0f}% of the margin came from {side} ({detail})"
 
 
 def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event, reference: str,

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
+SKIP = {"time", "tokens", "seq_tokens", "tokens_per_s", "lr", "grad_norm", "pairs", "heldout_correct", "heldout_n",
+        "merge_argmax", "merge_max_diff", "checksum_changed", "eval_seconds"}   # counts and bookkeeping: not curves
 GROUPS = [("Loss", ("loss",)), ("Preservation and held-out", ("preserv", "heldout", "held_out", "acc")),
           ("DPO drift and margins", ("drift", "margin", "pair"))]
 
@@ -50,7 +52,9 @@ def series(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
         if "step" not in r:
             continue
         for k, v in _flatten(r).items():
-            if k != "step" and not k.startswith(("spectrum", "singular", "time", "tokens_per")):
+            last = k.rsplit(".", 1)[-1]
+            if k != "step" and not k.startswith(("spectrum", "singular")) and last not in SKIP \
+                    and not last.endswith(("_n", "_seconds", "_ci")):
                 out.setdefault(k, []).append((float(r["step"]), v))
     return {k: v for k, v in out.items() if len(v) >= 1}
 
@@ -113,9 +117,8 @@ def _gates_table(gates) -> str:
     rows = []
     for g in items:
         ok = g.get("passed", g.get("pass"))
-        rows.append([g.get("name", "?"), g.get("value", ""), g.get("threshold", g.get("limit", "")),
-                     "PASS" if ok else "FAIL"])
-    return _table(rows, ["gate", "value", "threshold", "result"]).replace(
+        rows.append([g.get("name", g.get("gate", "?")), g.get("detail", g.get("value", "")), "PASS" if ok else "FAIL"])
+    return _table(rows, ["gate", "detail", "result"]).replace(
         "<td>PASS</td>", '<td class="pass">PASS</td>').replace("<td>FAIL</td>", '<td class="fail">FAIL</td>')
 
 
