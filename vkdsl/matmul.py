@@ -135,13 +135,18 @@ def lvp_defines(ta: bool, tb: bool, vec: int, sv: int):
 _kernels = {}
 
 
-def _kernel(dev, name, defines, local, n_buffers=3, source="matmul.comp"):
+def build_kernel(dev, source, name, defines, n_buffers, push_format, local):
+    """A hand-written kernel variant (a .comp file + defines), compiled and built once per device."""
     key = (dev.info.index, name, tuple(sorted(defines.items())), tuple(local))
     if key not in _kernels:
         spirv = compile_glsl(name, kernel_source(source), defines)
-        _kernels[key] = get_kernel(dev, name, spirv, n_buffers=n_buffers, push_size=struct.calcsize(PUSH_FORMAT),
+        _kernels[key] = get_kernel(dev, name, spirv, n_buffers=n_buffers, push_size=struct.calcsize(push_format),
                                    local_size=tuple(local))
     return _kernels[key]
+
+
+def _kernel(dev, name, defines, local, n_buffers=3, source="matmul.comp"):
+    return build_kernel(dev, source, name, defines, n_buffers, PUSH_FORMAT, local)
 
 
 def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False, tb: bool = False,

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .compiler import compile_glsl, kernel_source
-from .matmul import LVP_TILE, PUSH_FORMAT, _push_block_size, _widest, default_variant, gpu_config, lvp_widths
-from .runtime import Buffer, get_kernel
+from .matmul import LVP_TILE, PUSH_FORMAT, _push_block_size, build_kernel, _widest, default_variant, gpu_config, lvp_widths
+from .runtime import Buffer
 
 QUANT_PUSH_FORMAT = "<2I"        # QuantPush in kernels/quant_push.glsl: N, K
 assert struct.calcsize(QUANT_PUSH_FORMAT) == _push_block_size(kernel_source("quant_push.glsl")), \
@@ -263,16 +263,7 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
 
 # ---- device kernels ------------------------------------------------------------------------
 
-_kernels = {}
-
-
-def _kernel(dev, source, name, defines, n_buffers, push_format, local):
-    key = (dev.info.index, name, tuple(sorted(defines.items())), tuple(local))
-    if key not in _kernels:
-        spirv = compile_glsl(name, kernel_source(source), defines)
-        _kernels[key] = get_kernel(dev, name, spirv, n_buffers=n_buffers, push_size=struct.calcsize(push_format),
-                                   local_size=tuple(local))
-    return _kernels[key]
+_kernel = build_kernel          # (dev, source, name, defines, n_buffers, push_format, local)
 
 
 def _grid(items: int, local: int = 64) -> tuple:
