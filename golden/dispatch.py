@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import reference as R
+from . import reference_quant as Q
 from . import reference_train as T
 
 Arrays = dict[str, np.ndarray]
@@ -106,12 +107,12 @@ def _clip(ins, p, g):
 
 
 def _int4(ins, p, g):
-    deq, packed, scales = T.int4_roundtrip(ins[0], p["group"])
+    deq, packed, scales = Q.int4_roundtrip(ins[0], p["group"])
     return {"out": deq, "out_codes": packed, "out_scales": scales}
 
 
 def _nf4(ins, p, g):
-    deq, q = T.nf4_roundtrip(ins[0])
+    deq, q = Q.nf4_roundtrip(ins[0])
     return {"out": deq, **{f"out_{k}": v for k, v in q.items()}}
 
 
@@ -124,8 +125,8 @@ PHASE2: dict[str, Callable] = {
     "rope": _rope, "silu": _silu, "swiglu": _swiglu, "attention": _attention,
     "kl": _kl, "tmkl": _tmkl, "dpo": _dpo, "adamw": _adamw, "clip_grad_norm": _clip,
     "int4_roundtrip": _int4, "nf4_roundtrip": _nf4,
-    "dequant_q8_0": _dequant(T.dequant_q8_0), "dequant_q4_0": _dequant(T.dequant_q4_0),
-    "dequant_q4_1": _dequant(T.dequant_q4_1),
+    "dequant_q8_0": _dequant(Q.dequant_q8_0), "dequant_q4_0": _dequant(Q.dequant_q4_0),
+    "dequant_q4_1": _dequant(Q.dequant_q4_1),
 }
 
 # ops whose cases carry an upstream gradient "gout" (same shape as "out")

@@ -5,7 +5,7 @@ can catch bugs in the code it checks. Weights are plain dicts of float arrays ke
 names with numpy (out, in) shapes and GGUF's Q/K row order, so RoPE rotates ADJACENT pairs
 (2i, 2i+1) of each head.
 
-    python -m vkdsl.golden.llama_ref --prompt "The capital of France is"
+    python -m vkdsl_golden.llama_ref --prompt "The capital of France is"
 
 loads SmolLM2 (or --model FILE.gguf) through the `gguf` package, dequantized, and prints
 greedy next-token ids.

@@ -4,7 +4,8 @@ Every `*_backward(..., g)` returns the gradient of the scalar  L = sum(out * g) 
 to each differentiable input, where `out` is the forward's main output and `g` the upstream
 gradient (same shape as `out`). Integer inputs (labels, positions) get no gradient.
 Sums go through reference.exact_sum / reference.matmul (math.fsum) and exp/log/sin/cos
-through golden.elementary, so results do not depend on BLAS, summation order or the CPU. numpy only; nothing from vkdsl's core is imported.
+through golden.elementary, so results do not depend on BLAS, summation order or the CPU. numpy only; nothing
+from vkdsl's core is imported. Quantization references are in reference_quant.
 """
 from __future__ import annotations
 
@@ -28,10 +29,6 @@ __all__ = [
     "kl", "kl_backward", "tmkl", "tmkl_backward",
     "dpo", "dpo_backward", "sequence_logprob", "sequence_logprob_backward",
     "adamw", "clip_grad_norm",
-    "int4_quantize", "int4_dequantize", "int4_roundtrip",
-    "NF4_CODEBOOK", "nf4_quantize", "nf4_dequantize", "nf4_roundtrip",
-    "pack_nibbles", "unpack_nibbles",
-    "dequant_q8_0", "dequant_q4_0", "dequant_q4_1",
 ]
 
 
@@ -384,174 +381,3 @@ def clip_grad_norm(grads, max_norm: float, eps: float = 1e-6):
     norm = math.sqrt(math.fsum(float(exact_sum(g * g)) for g in gs))
     coef = min(1.0, max_norm / (norm + eps))
     return [g * coef for g in gs], np.asarray(norm)
-
-
-# ---------------------------------------------------------------------------------------
-# 4-bit packing shared by int4 and NF4: two codes per byte, low nibble = even element
-# ---------------------------------------------------------------------------------------
-
-def pack_nibbles(codes) -> np.ndarray:
-    """(..., 2k) codes (their low 4 bits) -> (..., k) uint8; byte = c[2j] & 15 | (c[2j+1] & 15) << 4."""
-    c = np.asarray(codes).astype(np.int64) & 0xF
-    if c.shape[-1] % 2:
-        raise ValueError("need an even number of codes along the last axis")
-    return (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
-
-
-def unpack_nibbles(packed, signed: bool) -> np.ndarray:
-    """Inverse of pack_nibbles; signed=True reads nibbles as two's complement -8..7."""
-    b = np.asarray(packed).astype(np.int64)
-    c = np.empty(b.shape[:-1] + (2 * b.shape[-1],), dtype=np.int64)
-    c[..., 0::2], c[..., 1::2] = b & 0xF, b >> 4
-    return np.where(c >= 8, c - 16, c) if signed else c
-
-
-# ---------------------------------------------------------------------------------------
-# symmetric int4, groups of `group` along the last axis
-# ---------------------------------------------------------------------------------------
-
-def int4_quantize(x, group: int = 64):
-    """Returns (packed uint8 (..., n/2), scales float32 (..., n/group)); scale = float32(absmax/7), code = clip(rint(x/scale), -8, 7)."""
-    x = _f64(x)
-    if x.shape[-1] % group:
-        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of {group}")
-    xg = x.reshape(x.shape[:-1] + (-1, group))
-    scales = (np.max(np.abs(xg), -1) / 7.0).astype(np.float32)   # the scale as stored
-    s = scales.astype(np.float64)[..., None]
-    safe = np.where(s > 0, s, 1.0)                                # all-zero group -> codes 0
-    codes = np.clip(np.rint(xg / safe), -8, 7).astype(np.int64)
-    return pack_nibbles(codes.reshape(x.shape)), scales
-
-
-def int4_dequantize(packed, scales, group: int = 64) -> np.ndarray:
-    """code * scale, float64, shape (..., n)."""
-    c = unpack_nibbles(packed, signed=True).astype(np.float64)
-    cg = c.reshape(c.shape[:-1] + (-1, group))
-    return (cg * _f64(scales)[..., None]).reshape(c.shape)
-
-
-def int4_roundtrip(x, group: int = 64):
-    """Returns (dequantized float64, packed uint8, scales float32)."""
-    packed, scales = int4_quantize(x, group)
-    return int4_dequantize(packed, scales, group), packed, scales
-
-
-# ---------------------------------------------------------------------------------------
-# NF4 (QLoRA NormalFloat-4) with double-quantized block scales.
-#
-# Layout chosen here (x (..., n), n % 64 == 0; blocks run along the flattened row-major data):
-#   codes         uint8 (..., n/2)  4-bit indices into NF4_CODEBOOK, packed as pack_nibbles
-#                                   (low nibble = even element; bitsandbytes uses the high one)
-#   absmax_q      int8  (nb,)       nb = numel/64; per-block absmax, double-quantized:
-#   absmax_scale  float32 (ceil(nb/256),)   one scale per 256 consecutive blocks
-#   absmax_offset float32 ()        float32(mean of all block absmax), subtracted first
-#   absmax_q[b] = clip(rint((absmax[b] - offset) / absmax_scale[b // 256]), -127, 127)
-#   (absmax_scale = float32(max |absmax - offset| over its 256 blocks / 127); 0 -> codes 0)
-#   dequant: x = NF4_CODEBOOK[code] * (absmax_q[b] * absmax_scale[b // 256] + offset)
-# Codes are chosen with the exact block absmax (as bitsandbytes does): the nearest codebook
-# value to x / absmax, ties to the lower index.
-# ---------------------------------------------------------------------------------------
-
-# The float32 table from bitsandbytes / the QLoRA paper (Appendix E), as float64.
-NF4_CODEBOOK = np.array([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-], dtype=np.float32).astype(np.float64)
-
-NF4_BLOCK = 64
-NF4_SCALE_BLOCK = 256
-
-
-def nf4_quantize(x) -> dict:
-    """NF4 with double-quantized scales; returns {codes, absmax_q, absmax_scale, absmax_offset} (layout above)."""
-    x = _f64(x)
-    if x.shape[-1] % NF4_BLOCK:
-        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of {NF4_BLOCK}")
-    blocks = x.reshape(-1, NF4_BLOCK)
-    absmax = np.max(np.abs(blocks), -1)                             # exact (float32 values)
-    norm = blocks / np.where(absmax > 0, absmax, 1.0)[:, None]
-    codes = np.argmin(np.abs(norm[..., None] - NF4_CODEBOOK), -1)   # ties -> lower index
-    offset = np.float32(exact_sum(absmax) / absmax.shape[0])
-    dev = absmax - np.float64(offset)
-    nb = absmax.shape[0]
-    n_sb = -(-nb // NF4_SCALE_BLOCK)
-    pad = np.zeros(n_sb * NF4_SCALE_BLOCK)
-    pad[:nb] = np.abs(dev)
-    sscale = (pad.reshape(n_sb, -1).max(-1) / 127.0).astype(np.float32)
-    s = np.repeat(sscale.astype(np.float64), NF4_SCALE_BLOCK)[:nb]
-    q = np.clip(np.rint(dev / np.where(s > 0, s, 1.0)), -127, 127).astype(np.int8)
-    return {
-        "codes": pack_nibbles(codes.reshape(x.shape)),
-        "absmax_q": q,
-        "absmax_scale": sscale,
-        "absmax_offset": np.asarray(offset, dtype=np.float32),
-    }
-
-
-def nf4_dequantize(codes, absmax_q, absmax_scale, absmax_offset) -> np.ndarray:
-    """Float64 values from the NF4 layout above; shape (..., 2 * codes.shape[-1])."""
-    c = unpack_nibbles(codes, signed=False)
-    s = np.repeat(_f64(absmax_scale), NF4_SCALE_BLOCK)[: np.asarray(absmax_q).shape[0]]
-    absmax = _f64(absmax_q) * s + float(_f64(absmax_offset))
-    vals = NF4_CODEBOOK[c].reshape(-1, NF4_BLOCK) * absmax[:, None]
-    return vals.reshape(c.shape)
-
-
-def nf4_roundtrip(x):
-    """Returns (dequantized float64, the nf4_quantize dict)."""
-    q = nf4_quantize(x)
-    return nf4_dequantize(**q), q
-
-
-# ---------------------------------------------------------------------------------------
-# GGUF block dequantization from raw little-endian bytes; shape = (rows, cols), cols % 32 == 0
-#   Q8_0: 34 bytes = f16 d, 32 x int8 q;          w = d * q
-#   Q4_0: 18 bytes = f16 d, 16 bytes of nibbles;  w = d * (nibble - 8)
-#   Q4_1: 20 bytes = f16 d, f16 m, 16 bytes;      w = d * nibble + m
-#   4-bit: byte j holds element j (low nibble) and element j + 16 (high nibble).
-# ---------------------------------------------------------------------------------------
-
-def _blocks(raw, shape, nbytes: int) -> np.ndarray:
-    """Raw bytes -> (n_blocks, nbytes) uint8, checking the size against shape."""
-    rows, cols = shape
-    if cols % 32:
-        raise ValueError(f"cols {cols} is not a multiple of 32")
-    b = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8).ravel())
-    nblk = rows * cols // 32
-    if b.size != nblk * nbytes:
-        raise ValueError(f"expected {nblk * nbytes} bytes for shape {tuple(shape)}, got {b.size}")
-    return b.reshape(nblk, nbytes)
-
-
-def _f16(b2) -> np.ndarray:
-    """(n, 2) little-endian bytes -> float64 (n,)."""
-    return np.ascontiguousarray(b2).view("<f2").astype(np.float64)[:, 0]
-
-
-def _nibbles32(qs) -> np.ndarray:
-    """(n, 16) bytes -> (n, 32) unsigned nibbles: low nibbles first, then high nibbles."""
-    q = qs.astype(np.int64)
-    return np.concatenate([q & 0xF, q >> 4], axis=1)
-
-
-def dequant_q8_0(raw, shape) -> np.ndarray:
-    """GGUF Q8_0 bytes -> float64 (rows, cols)."""
-    b = _blocks(raw, shape, 34)
-    q = b[:, 2:].view(np.int8).astype(np.float64)
-    return (_f16(b[:, :2])[:, None] * q).reshape(shape)
-
-
-def dequant_q4_0(raw, shape) -> np.ndarray:
-    """GGUF Q4_0 bytes -> float64 (rows, cols)."""
-    b = _blocks(raw, shape, 18)
-    q = (_nibbles32(b[:, 2:]) - 8).astype(np.float64)
-    return (_f16(b[:, :2])[:, None] * q).reshape(shape)
-
-
-def dequant_q4_1(raw, shape) -> np.ndarray:
-    """GGUF Q4_1 bytes -> float64 (rows, cols)."""
-    b = _blocks(raw, shape, 20)
-    q = _nibbles32(b[:, 4:]).astype(np.float64)
-    return (_f16(b[:, :2])[:, None] * q + _f16(b[:, 2:4])[:, None]).reshape(shape)

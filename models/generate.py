@@ -8,7 +8,6 @@ import time
 import numpy as np
 
 import vkdsl
-from vkdsl import Tensor
 from vkdsl.ops import nn
 
 BUCKET = 64          # prompt lengths round up to this, so a few recorded programs serve all prompts

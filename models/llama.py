@@ -10,13 +10,12 @@ import numpy as np
 
 import vkdsl
 from vkdsl import Tensor
-from vkdsl.ops import nn
+from vkdsl.ops import attention, nn
 
-from .config import LlamaConfig
+from .config import LINEARS, LlamaConfig
 from .tensors import LlamaCheckpoint
-from .weights import device_weight, embedding_table
+from .weights import device_weight
 
-LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 class Llama:
@@ -33,7 +32,7 @@ class Llama:
                 self.linear[name] = device_weight(ckpt[name + ".weight"], quant)
         self.norm = {n: vkdsl.tensor(ckpt[n].dequantize().astype(np.float32), name=n)
                      for n in ckpt.tensors if n.endswith("_norm.weight")}
-        self.embed = embedding_table(ckpt["token_embd.weight"], quant)
+        self.embed = device_weight(ckpt["token_embd.weight"], quant)
         self.head = device_weight(ckpt["output.weight"], quant) if "output.weight" in ckpt.tensors \
             else self.embed.as_linear()
         self.lora = {}                # module name (blk.{i}.attn_q) -> ops.lora.LoRA
@@ -74,9 +73,9 @@ class Llama:
             v = self._lin(p + "attn_v", h, adapters_on).reshape(B, T, KV, D)
             if kv is not None:
                 k, v, causal = kv.layer(i, k, v)       # a KV cache may substitute its keys/values
-                a = nn.attention(q, k, v, mask=mask, causal=causal)
+                a = attention.attention(q, k, v, mask=mask, causal=causal)
             else:
-                a = nn.attention(q, k, v, mask=mask)
+                a = attention.attention(q, k, v, mask=mask)
             x = x + self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on).reshape(B, T, c.dim)
             h = nn.rmsnorm(x, self.norm[p + "ffn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
             f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))

@@ -7,8 +7,6 @@ dtype, plus whatever the trainer passes: data hashes, seeds, objective, metrics,
 """
 from __future__ import annotations
 
-from vkdsl.fileio import atomic_write
-
 import hashlib
 import json
 import os
@@ -16,6 +14,9 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from vkdsl.fileio import atomic_write
+from vkdsl.ops.lora import lora_scale
 
 from .errors import ModelFileError
 
@@ -88,7 +89,6 @@ def build_manifest(model_path: str | os.PathLike, tokenizer, *, target_modules, 
     """The manifest dict. `extra` and keyword `fields` are copied in as given (the trainer's
     data hashes and row counts, seeds, objective and hyper-parameters, max length,
     truncation side, masking rule, steps, device and driver, final metrics, gates...)."""
-    from .adapters import scale_of   # late: adapters imports this module
     try:
         from importlib.metadata import version
         vk_version = version("vkdsl")
@@ -105,7 +105,7 @@ def build_manifest(model_path: str | os.PathLike, tokenizer, *, target_modules, 
         "chat_template_sha256": chat_template_sha256(tokenizer) if tokenizer is not None else None,
         "adapter": {"target_modules": sorted(target_modules), "r": int(r), "alpha": float(alpha),
                     "rslora": bool(rslora),
-                    "scaling": float(scaling if scaling is not None else scale_of(alpha, r, rslora)),
+                    "scaling": float(scaling if scaling is not None else lora_scale(alpha, r, rslora)),
                     "dtype": dtype},
     }
     for k, v in {**(extra or {}), **fields}.items():
@@ -115,14 +115,13 @@ def build_manifest(model_path: str | os.PathLike, tokenizer, *, target_modules, 
     return m
 
 
-atomic_write_bytes = atomic_write     # kept as a name for this module's callers
 
 
 def write_manifest(folder_or_file: str | os.PathLike, manifest: dict) -> Path:
     """Write vkdsl_manifest.json into a folder (or to the given .json path), atomically."""
     p = Path(folder_or_file)
     path = p if p.suffix == ".json" else p / MANIFEST_NAME
-    return atomic_write_bytes(path, (json.dumps(manifest, indent=1, sort_keys=True,
+    return atomic_write(path, (json.dumps(manifest, indent=1, sort_keys=True,
                                                 default=str) + "\n").encode())
 
 

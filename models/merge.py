@@ -7,8 +7,6 @@ the update lost to requantization measured). Hugging Face bases give a safetenso
 """
 from __future__ import annotations
 
-from vkdsl.fileio import commit_temp
-
 import os
 import shutil
 import tempfile
@@ -16,9 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .adapters import _as_f32, _heads, read_adapter, safetensors_bytes
+from vkdsl.fileio import atomic_path, atomic_write
+
+from .adapters import heads, read_adapter
 from .errors import ModelFileError
-from .manifest import atomic_write_bytes, check_manifest
+from .manifest import check_manifest
 
 OUT_TYPES = ("f32", "f16", "keep")
 
@@ -65,10 +65,7 @@ def _merge_gguf(model_path: Path, aw, out_path: Path, out_type: str, report: dic
     from gguf.quants import dequantize, quantize
     reader = GGUFReader(model_path, "r")
     arch = reader.fields["general.architecture"].contents()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(out_path) as tmp:
         w = GGUFWriter(tmp, arch)
         for name, f in reader.fields.items():
             if name.startswith("GGUF.") or name == "general.architecture":
@@ -113,29 +110,24 @@ def _merge_gguf(model_path: Path, aw, out_path: Path, out_type: str, report: dic
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        commit_temp(tmp, out_path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: dict) -> None:
     from .safetensors_loader import (_weight_files, gguf_name_to_hf, gguf_to_hf_rows,
-                                     hf_name_to_gguf, read_safetensors)
+                                     hf_name_to_gguf, read_safetensors, as_f32, safetensors_bytes)
     if out_path.exists() and not out_path.is_dir():
         raise ModelFileError(f"{out_path}: exists and is not a folder (a HF base merges into a folder)")
     out_path.mkdir(parents=True, exist_ok=True)
-    tensors, dtypes = {}, {}
+    tensors = {}
     for file in _weight_files(model_path):
         for hf_name, (dtype, shape, raw) in read_safetensors(file).items():
-            arr = _as_f32(dtype, raw, shape)
+            arr = as_f32(dtype, raw, shape)
             g = hf_name_to_gguf(hf_name)
             mod = g[:-len(".weight")] if g and g.endswith(".weight") else None
             if mod in aw.modules:
                 A, B, s = aw.modules[mod]
                 d = _delta(A, B, s)                 # GGUF row order
-                h = _heads(ck.config, mod)
+                h = heads(ck.config, mod)
                 if h is not None:
                     d = gguf_to_hf_rows(d, h, axis=0)
                 merged = (arr.astype(np.float64) + d).astype(np.float32)
@@ -148,7 +140,7 @@ def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: d
                     "requant_rel_err": float(np.linalg.norm(lost) / max(np.linalg.norm(d), 1e-30))}
             else:
                 tensors[hf_name] = arr.astype(np.float16) if dtype == "F16" else arr
-    atomic_write_bytes(out_path / "model.safetensors", safetensors_bytes(tensors, {"format": "pt"}))
+    atomic_write(out_path / "model.safetensors", safetensors_bytes(tensors, {"format": "pt"}))
     for f in model_path.iterdir():
         if f.is_file() and not (f.name.endswith(".safetensors") or f.name == "model.safetensors.index.json"):
             shutil.copyfile(f, out_path / f.name)

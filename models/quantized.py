@@ -1,20 +1,16 @@
 """Packed weights on the device: GGUF Q4_0/Q4_1/Q8_0 blocks as stored, or int4/NF4 made on
 load. The fp32 weight never exists on the device: the matmul shader dequantizes as it reads.
 
-Each packed weight is a set of int32 leaf tensors (the format's arrays) that custom ops bind
-(ops.quant.qlinear; the input gradient through a frozen packed weight is the 'nn' form)."""
+Each packed weight is a set of int32 leaf tensors (the format's arrays) that the op library's
+custom ops bind (ops.quant.qlinear, whose input gradient is the 'nn' form; ops.quant.qgather)."""
 from __future__ import annotations
 
 import math
-import struct
 
 import numpy as np
 
-from vkdsl import Tensor, quant
-from vkdsl.compiler import compile_glsl, kernel_source
-from vkdsl.custom import CustomOp, custom
-from vkdsl.ops.quant import packed_arrays, qlinear
-from vkdsl.runtime import get_kernel
+from vkdsl import Tensor
+from vkdsl.ops import quant
 
 from .tensors import TensorRecord
 
@@ -38,19 +34,6 @@ def _pack(rec: TensorRecord, quant_mode: str) -> quant.QuantizedWeight:
     return quant.quantize_int4(w) if quant_mode == "int4" else quant.quantize_nf4(w)
 
 
-class _QGather(CustomOp):
-    def __init__(self, weight: "Packed"):
-        self.w, self.name = weight, f"qgather_{weight.fmt}"
-
-    def record(self, rec, out, srcs):
-        f = quant.get_format(self.w.fmt)
-        N, K = self.w.shape
-        k = get_kernel(rec.device, self.name, compile_glsl(self.name, kernel_source("quant_gather.comp"), f.defines),
-                       2 + len(f.arrays), 8, (64, 1, 1))
-        items = srcs[0].nbytes // 4 * (K // 32)
-        rec.dispatch(k, [out, *srcs], quant._grid(items), struct.pack(quant.QUANT_PUSH_FORMAT, N, K))
-
-
 class Packed:
     """A frozen (out, in) weight kept in its packed format on the device."""
 
@@ -60,7 +43,7 @@ class Packed:
         except ValueError as e:
             raise ValueError(f"tensor {rec.name}: {e}") from None
         self.fmt, self.shape, self.name = qw.fmt, tuple(rec.shape), rec.name
-        self.arrays = packed_arrays(qw, rec.name)
+        self.arrays = quant.packed_arrays(qw, rec.name)
 
     def __call__(self, x: Tensor) -> Tensor:
         """x (..., K) @ W^T."""
@@ -68,10 +51,10 @@ class Packed:
         if x.shape[-1] != K:
             raise ValueError(f"{self.name}: input of width {x.shape[-1]}, expected {K}")
         lead = x.shape[:-1]
-        return qlinear(x.reshape(math.prod(lead), K), self.arrays, self.fmt, self.shape).reshape(*lead, N)
+        return quant.qlinear(x.reshape(math.prod(lead), K), self.arrays, self.fmt, self.shape).reshape(*lead, N)
 
     def rows(self, ids: Tensor) -> Tensor:
-        return custom(_QGather(self), [ids, *self.arrays], (*ids.shape, self.shape[1]), requires_grad=False)
+        return quant.qgather(ids, self.arrays, self.fmt, self.shape)
 
     def as_linear(self):
         return self
@@ -83,10 +66,3 @@ class Packed:
     @property
     def fp32_bytes(self) -> int:
         return self.shape[0] * self.shape[1] * 4
-
-
-def make_linear(rec, quant_mode):
-    return Packed(rec, quant_mode)
-
-
-make_table = make_linear

@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 import numpy as np
+import safetensors
+import safetensors.numpy
 
 from .config import LlamaConfig
 from .errors import ModelFileError
@@ -83,37 +85,43 @@ def gguf_to_hf_rows(w: np.ndarray, n_heads: int, axis: int = 0) -> np.ndarray:
     return _pair_permute(w, n_heads, axis, to_gguf=False)
 
 
+_LIB_DTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
 def read_safetensors(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:
-    """{name: (dtype, shape, uint8 bytes)} for one .safetensors file, bounds-checked."""
+    """{name: (dtype, shape, uint8 bytes)} for one .safetensors file. The safetensors library checks
+    the header and every tensor's byte range; its errors come back naming the file."""
     path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if n <= 0 or 8 + n > size:
-            raise ModelFileError(f"{path}: not a safetensors file (header length {n}, file "
-                                 f"{size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelFileError(f"{path}: safetensors header is not valid JSON: {e}") from e
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else \
-        np.zeros(0, np.uint8)
+    try:
+        entries = safetensors.deserialize(path.read_bytes())
+    except safetensors.SafetensorError as e:
+        raise ModelFileError(f"{path}: truncated or corrupt safetensors file ({e})") from None
     out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype, shape = info.get("dtype"), tuple(int(d) for d in info.get("shape", ()))
-        if dtype not in _DTYPES:
-            raise ModelFileError(f"{path}: tensor {name!r} has dtype {dtype}; supported: "
+    for name, info in entries:
+        dtype = _LIB_DTYPES.get(str(info["dtype"]))
+        if dtype is None:
+            raise ModelFileError(f"{path}: tensor {name!r} has dtype {info['dtype']}; supported: "
                                  f"{', '.join(_DTYPES)}")
-        begin, end = (int(x) for x in info["data_offsets"])
-        want = int(np.prod(shape)) * _DTYPES[dtype].itemsize
-        if end - begin != want or end > data.size:
-            raise ModelFileError(f"{path}: tensor {name!r} needs bytes [{begin}, {begin + want}) "
-                                 f"of {data.size} data bytes (truncated or corrupt)")
-        out[name] = (dtype, shape, data[begin:end])
+        out[name] = (dtype, tuple(int(d) for d in info["shape"]), np.frombuffer(info["data"], np.uint8))
     return out
+
+
+def safetensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+    """A safetensors file's bytes (float32 unless a tensor is float16), written by the library."""
+    arrays = {k: np.ascontiguousarray(v if v.dtype in (np.float32, np.float16) else v.astype(np.float32))
+              for k, v in tensors.items()}
+    return safetensors.numpy.save(arrays, metadata={str(k): str(v) for k, v in (metadata or {}).items()} or None)
+
+
+def as_f32(dtype: str, raw: np.ndarray, shape) -> np.ndarray:
+    """One tensor's bytes (F32, F16 or BF16) as float32 of its shape."""
+    if dtype == "F32":
+        return raw.view("<f4").reshape(shape).astype(np.float32)
+    if dtype == "F16":
+        return raw.view("<f2").reshape(shape).astype(np.float32)
+    if dtype == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    raise ModelFileError(f"unsupported dtype {dtype}")
 
 
 def _to_record(name: str, dtype: str, shape: tuple[int, ...], raw: np.ndarray) -> TensorRecord:

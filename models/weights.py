@@ -1,5 +1,5 @@
 """Weights on the device. A linear weight W (out, in) computes x @ W^T; quantized formats
-stay packed and are dequantized inside the matmul shader (see vkdsl.quant)."""
+stay packed and are dequantized inside the matmul shader (see vkdsl.ops.quant)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,6 +7,7 @@ import numpy as np
 import vkdsl
 from vkdsl import Tensor
 
+from .quantized import Packed, wants_packed
 from .tensors import TensorRecord
 
 
@@ -36,12 +37,5 @@ class Dense:
 
 
 def device_weight(rec: TensorRecord, quant: str = "keep"):
-    from . import quantized
-    return quantized.make_linear(rec, quant) if quantized.wants_packed(rec, quant) else \
-        Dense(rec.dequantize(), rec.name)
-
-
-def embedding_table(rec: TensorRecord, quant: str = "keep"):
-    from . import quantized
-    return quantized.make_table(rec, quant) if quantized.wants_packed(rec, quant) else \
-        Dense(rec.dequantize(), rec.name)
+    """A linear weight or embedding table on the device: packed where the mode asks, else fp32."""
+    return Packed(rec, quant) if wants_packed(rec, quant) else Dense(rec.dequantize(), rec.name)

@@ -1,4 +1,10 @@
-"""vkdsl.ops: training ops composed from vkdsl primitives, plus their verify rows."""
-from . import checks, losses, nn, optim  # noqa: F401  (checks registers verify rows)
+"""vkdsl.ops: training ops composed from vkdsl primitives, the hand-written kernels that earn
+their place (attention, quant), and their verify rows."""
+from . import attention, checks, losses, nn, optim, quant  # noqa: F401  (checks register verify rows)
 from .lora import LoRA, lora_linear, lora_scale  # noqa: F401
-from . import quant_checks  # noqa: F401
+from .quant import checks as quant_checks  # noqa: F401
+
+
+def builtin_variants(dev) -> list[str]:
+    """Every hand-written kernel variant of the op library this device can pick (for bundles)."""
+    return quant.builtin_variants(dev) + attention.builtin_variants(dev)

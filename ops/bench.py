@@ -15,12 +15,13 @@ import time
 import numpy as np
 
 import vkdsl
-from vkdsl import quant
+from . import quant
 from vkdsl.autograd import grad
+from vkdsl.verify import nmse
 
-from . import losses, nn
+from . import attention, losses
 from .lora import LoRA, lora_linear
-from .quant_checks import packed_arrays, qlinear, roundtrip
+from .quant import packed_arrays, qlinear, roundtrip
 
 
 def _program(fn, arrays):
@@ -48,10 +49,8 @@ def _nmse(outs, refs):
     """NMSE of the device outputs against the numpy ones, all outputs together: a benchmark of a
     wrong result is no benchmark."""
     refs = refs if isinstance(refs, (tuple, list)) else [refs]
-    num = sum(float(np.sum((np.asarray(o, np.float64).reshape(-1) - np.asarray(r, np.float64).reshape(-1)) ** 2))
-              for o, r in zip(outs, refs))
-    den = sum(float(np.sum(np.asarray(r, np.float64) ** 2)) for r in refs)
-    return num / den
+    flat = lambda xs: np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in xs])
+    return nmse(flat(outs), flat(refs))
 
 
 def _row(name, fn, arrays, np_fn, fp32=None):
@@ -202,10 +201,10 @@ def bench_attention(T=256, Hq=9, Hkv=3, D=64, seed=0):
     qt, kt, vt = (vkdsl.tensor(a, requires_grad=True) for a in (q, k, v))
 
     def fwd(qi, ki, vi):
-        return nn.attention(qi.reshape(1, T, Hq, D), ki.reshape(1, T, Hkv, D), vi.reshape(1, T, Hkv, D))
+        return attention.attention(qi.reshape(1, T, Hq, D), ki.reshape(1, T, Hkv, D), vi.reshape(1, T, Hkv, D))
 
     def fwd_bwd(gi):
-        o = nn.attention(qt.reshape(1, T, Hq, D), kt.reshape(1, T, Hkv, D), vt.reshape(1, T, Hkv, D))
+        o = attention.attention(qt.reshape(1, T, Hq, D), kt.reshape(1, T, Hkv, D), vt.reshape(1, T, Hkv, D))
         return [o, *grad(o, [qt, kt, vt], upstream=gi.reshape(1, T, Hq, D))]
     name = f"attention causal T={T} Hq={Hq} Hkv={Hkv} D={D}"
     return [_row(name + " fwd", fwd, (q, k, v), lambda: _np_attention(q, k, v)),

@@ -2,12 +2,10 @@
 limit and the reason for it. Gradients (grad_in*) come from vkdsl.autograd."""
 from __future__ import annotations
 
-import numpy as np
-
 import vkdsl
 from vkdsl.verify import register
 
-from . import losses, nn
+from . import attention, losses, nn
 from .lora import LoRA, lora_linear
 from .optim import adamw_update, clip_by_global_norm
 
@@ -48,7 +46,7 @@ def _rope(i, p):
 def _attention(i, p):
     T, Hq, D = i[0].shape
     Hkv = i[1].shape[1]
-    return nn.attention(i[0].reshape(1, T, Hq, D), i[1].reshape(1, T, Hkv, D),
+    return attention.attention(i[0].reshape(1, T, Hq, D), i[1].reshape(1, T, Hkv, D),
                         i[2].reshape(1, T, Hkv, D)).reshape(T, Hq, D)
 
 

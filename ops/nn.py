@@ -74,47 +74,5 @@ def causal_mask(T: int) -> Tensor:
     return (q < k).where(-math.inf, 0.0)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True,
-              fused: bool = True) -> Tensor:
-    """Grouped-query attention (see attention_composed for the contract). fused: the streaming
-    kernel (kernels/attention.comp) for the forward; its gradient is the composite's."""
-    B, Tq, Hq, D = q.shape
-    # The kernel gives each workgroup 64 queries of one head: with a handful of queries (decode)
-    # most lanes idle, and the composed form is faster.
-    if fused and Tq >= 16 and D % 4 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B and Hq % k.shape[2] == 0 \
-            and v.shape == k.shape and (not causal or Tq == k.shape[1]):
-        from .attention_kernel import fused_attention
-        return fused_attention(q, k, v, mask, causal)
-    return attention_composed(q, k, v, mask, causal)
-
-
-def attention_composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True) -> Tensor:
-    """Self-attention with grouped-query heads.
-    q: (B, Tq, Hq, D); k, v: (B, Tk, Hkv, D), Hq a multiple of Hkv (query head h reads kv head
-    h // (Hq/Hkv), as in Llama). causal (Tq == Tk): key j is visible to query i when j <= i.
-    mask: optional additive (B, Tq, Tk) or (Tq, Tk) on top (e.g. a KV cache's unused slots).
-    Returns (B, Tq, Hq, D)."""
-    B, Tq, Hq, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
-    if k.shape != (B, Tk, Hkv, D) or v.shape != k.shape or Hq % Hkv:
-        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}: need k, v (B, Tk, Hkv, D) "
-                         f"with Hq divisible by Hkv")
-    if causal and Tq != Tk:
-        raise ShapeError(f"attention: a causal mask needs as many keys as queries ({Tq} vs {Tk})")
-    g = Hq // Hkv
-    qh = q.reshape(B, Tq, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * Tq, D)  # rows: (j, t)
-    kh = k.permute(0, 2, 1, 3)                                                           # (B, Hkv, Tk, D)
-    vh = v.permute(0, 2, 1, 3)
-    s = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(D))                              # (B, Hkv, g*Tq, Tk)
-    s = s.reshape(B, Hkv, g, Tq, Tk)
-    if causal:
-        s = s + causal_mask(Tq)
-    if mask is not None:
-        s = s + (mask.reshape(B, 1, 1, Tq, Tk) if mask.ndim == 3 else mask)
-    p = softmax(s, -1).reshape(B, Hkv, g * Tq, Tk)
-    o = p @ vh                                                                           # (B, Hkv, g*Tq, D)
-    return o.reshape(B, Hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
-
-
 def embedding(table: Tensor, ids: Tensor) -> Tensor:
     return table.gather(ids)

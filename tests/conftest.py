@@ -1,6 +1,15 @@
-"""Shared test helpers. Tests run on the real Vulkan device vkdsl picks (lavapipe in CI)."""
+"""Shared test helpers. Tests run on the real Vulkan device vkdsl picks (lavapipe in CI).
+
+check_op is the one op-test helper: seeded inputs, the forward against a float64 numpy reference
+by NMSE with the op's limit (vkdsl.verify.compare: NaN/Inf must match the reference's), sentinel
+words past every output to catch out-of-bounds writes, and autodiff gradients against central
+finite differences of the float64 reference."""
+import math
+
 import numpy as np
 import pytest
+
+GUARD = 256          # bytes of sentinel words past each output
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +24,52 @@ def rng():
 
 
 def nmse(y, ref):
-    """Normalized mean squared error against a float64 reference."""
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    return float(np.sum((y - ref) ** 2) / max(np.sum(ref ** 2), 1e-300))
+    """The one comparison (vkdsl.verify.compare): NMSE over finite entries, inf on a non-finite mismatch."""
+    from vkdsl.verify import nmse as measure
+    return measure(np.asarray(y), np.asarray(ref, np.float64))
+
+
+def _fd(ref, xs, i, g, h=1e-6):
+    """Central differences of sum(ref(*xs) * g) w.r.t. xs[i], in float64."""
+    x = xs[i].astype(np.float64)
+    out = np.zeros_like(x)
+    args = [a.astype(np.float64) if a.dtype.kind == "f" else a for a in xs]
+    for j in np.ndindex(x.shape):
+        step = h * max(1.0, abs(x[j]))
+        old = x[j]
+        x[j] = old + step
+        args[i] = x
+        up = math.fsum((np.asarray(ref(*args), np.float64) * g).ravel())
+        x[j] = old - step
+        down = math.fsum((np.asarray(ref(*args), np.float64) * g).ravel())
+        x[j] = old
+        out[j] = (up - down) / (2 * step)
+    return out
+
+
+def check_op(fn, ref, inputs, limit, grad_of=(), grad_limit=1e-6, seed=0):
+    """fn(*Tensors) -> Tensor on the device; ref(*float64 arrays) -> array, the reference.
+    inputs: numpy arrays (float32 / int32). grad_of: indices of inputs whose gradient of
+    sum(out * g), g seeded, is checked against finite differences of ref."""
+    import vkdsl
+    from vkdsl.autograd import grad
+    arrays = [np.asarray(a) for a in inputs]
+    want = np.asarray(ref(*[a.astype(np.float64) if a.dtype.kind == "f" else a for a in arrays]), np.float64)
+    g = np.random.default_rng(seed).standard_normal(want.shape).astype(np.float32)
+    leaves = [vkdsl.tensor(a, requires_grad=i in grad_of) for i, a in enumerate(arrays)]
+
+    @vkdsl.trace(guard_bytes=GUARD)
+    def program(gt):
+        out = fn(*leaves)
+        gs = grad(out, [leaves[i] for i in grad_of], upstream=gt) if grad_of else []
+        return [out, *gs]
+    out, *gs = program(g)
+    prog = program.program(g)
+    assert prog.guards_intact(), "a kernel wrote past the end of its output"
+    err = nmse(out, want)
+    assert err <= limit, f"forward NMSE {err:.3g} > {limit:.3g}"
+    for i, got in zip(grad_of, gs):
+        fd = _fd(ref, arrays, i, g.astype(np.float64))
+        gerr = nmse(got, fd)
+        assert gerr <= grad_limit, f"gradient of input {i}: NMSE {gerr:.3g} vs finite differences > {grad_limit:.3g}"
+    return out, gs

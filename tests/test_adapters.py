@@ -22,7 +22,8 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 import vkdsl
-from vkdsl.models import ModelFileError, hf_to_gguf_rows, load_model_files, synthetic
+from fixtures import synthetic
+from vkdsl.models import ModelFileError, hf_to_gguf_rows, load_model_files
 from vkdsl.models.adapters import (LINEARS, load_adapter, module_shape, save_adapter_bundle,
                                    save_gguf_adapter, save_peft)
 from vkdsl.models.llama import Llama

@@ -20,7 +20,18 @@ void main() { x[gl_GlobalInvocationID.x] += 1.0; }
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("VKDSL_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+    compiler.forget_compiled()
+    yield tmp_path / "cache"
+    compiler.forget_compiled()
+
+
+def test_compile_is_memoized_in_memory(fresh_cache):
+    # a second request for the same source and defines reads neither the disk cache nor the compiler
+    blob = compiler.compile_glsl("ok", OK)
+    for entry in fresh_cache.glob("*.spv"):
+        entry.unlink()
+    assert compiler.compile_glsl("ok", OK) == blob
+    assert list(fresh_cache.glob("*.spv")) == []
 
 
 def test_compile_produces_spirv(fresh_cache):
@@ -54,6 +65,7 @@ def test_corrupted_cache_entry_is_rebuilt(fresh_cache, capsys):
     data = bytearray(entry.read_bytes())
     data[60] ^= 0xFF                               # flip a byte inside the SPIR-V
     entry.write_bytes(bytes(data))
+    compiler.forget_compiled()                     # as a new process would: from the disk cache
     again = compiler.compile_glsl("ok", OK)
     assert again == blob
     assert "corrupted" in capsys.readouterr().err
@@ -67,14 +79,13 @@ def test_cache_key_depends_on_source_and_defines(fresh_cache):
 
 
 def test_includes_are_expanded(tmp_path):
-    src = '#version 450\n#include "render_test_include.glsl"\n'
-    path = os.path.join(compiler.KERNEL_DIR, "render_test_include.glsl")
-    with open(path, "w") as f:
-        f.write("// included\n")
-    try:
-        assert "// included" in compiler.expand(src)
-    finally:
-        os.unlink(path)
+    # nested includes from a folder of the test's own (never the source tree), each inlined once
+    (tmp_path / "outer.glsl").write_text('// outer\n#include "inner.glsl"\n')
+    (tmp_path / "inner.glsl").write_text("// inner\n")
+    src = '#version 450\n#include "outer.glsl"\n#include "inner.glsl"\n'
+    out = compiler.expand(src, {"X": 3}, include_dir=str(tmp_path))
+    assert out.split("\n")[:4] == ["#version 450", "#define X 3", "// outer", "// inner"]
+    assert out.count("// inner") == 1
 
 
 def test_backend_found():

@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from vkdsl.golden import llama_ref
-from vkdsl.models import load_model_files, synthetic
+from vkdsl_golden import llama_ref
+from fixtures import synthetic
+from vkdsl.models import load_model_files
 from vkdsl.models.llama import Llama
 from vkdsl.ops.lora import LoRA
 from vkdsl.train import dpo

@@ -10,9 +10,9 @@ import pytest
 
 import vkdsl
 from vkdsl.autograd import grad
-from vkdsl.golden import reference as R
-from vkdsl.golden import reference_train as RT
-from vkdsl.ops import losses, nn
+from vkdsl_golden import reference as R
+from vkdsl_golden import reference_train as RT
+from vkdsl.ops import attention, losses, nn
 from vkdsl.ops.lora import LoRA, lora_linear
 
 from conftest import nmse
@@ -117,7 +117,7 @@ def test_attention_gqa_grads(rng):
     """9 query heads over 3 kv heads, as in SmolLM2 (head dim kept small for the FD)."""
     T, Hq, Hkv, D = 5, 9, 3, 4
     q, k, v = f32(rng, T, Hq, D), f32(rng, T, Hkv, D), f32(rng, T, Hkv, D)
-    check(lambda a, b, c: nn.attention(a.reshape(1, T, Hq, D), b.reshape(1, T, Hkv, D),
+    check(lambda a, b, c: attention.attention(a.reshape(1, T, Hq, D), b.reshape(1, T, Hkv, D),
                                        c.reshape(1, T, Hkv, D)).reshape(T, Hq, D),
           RT.attention, [q, k, v], [0, 1, 2], rng)
 

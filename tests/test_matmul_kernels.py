@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from vkdsl.compiler import kernel_source
-from vkdsl.matmul import PUSH_FORMAT, _push_block_size, has_int64, plan_matmul, record_matmul
+from vkdsl.handwritten import PushLayout
+from vkdsl.matmul import PUSH, plan_matmul, record_matmul
 from vkdsl.runtime import Buffer, Recording
 
 SENTINEL = np.float32(-12345.5)
@@ -107,14 +108,14 @@ def test_variant_choice(dev):
     p = plan_matmul(dev, M=64, N=64, K=64)
     assert ("lvp" if dev.info.kind == "cpu" else "gpu") in p.name
     if dev.info.kind == "cpu":
-        assert plan_matmul(dev, M=8, N=8, K=8).name.endswith("_v8s4" if has_int64(dev) else "_v4s4")
+        assert plan_matmul(dev, M=8, N=8, K=8).name.endswith("_v8s4" if dev.limits.int64 else "_v4s4")
         assert plan_matmul(dev, M=3, N=5, K=7).name.endswith("_v1s1")
 
 
 def test_without_int64_loads_are_vec4(dev, monkeypatch):
     # devices without shaderInt64 get vec4 loads at most; same results
-    import vkdsl.matmul as mm
-    monkeypatch.setattr(mm, "has_int64", lambda d: False)
+    import vkdsl.handwritten as hw
+    monkeypatch.setattr(hw, "has_int64", lambda d: False)
     for form in FORMS:
         got, ref, mag, p = run(dev, 16, 24, 40, *form, variant="lvp", seed=3)
         assert "_v4" in p.name
@@ -122,7 +123,10 @@ def test_without_int64_loads_are_vec4(dev, monkeypatch):
 
 
 def test_push_layout_matches_shader():
-    assert struct.calcsize(PUSH_FORMAT) == _push_block_size(kernel_source("matmul_common.glsl")) == 24
+    # six uint32 in MatmulPush; PushLayout itself refuses a format the GLSL block does not match
+    assert PUSH.size == 24
+    with pytest.raises(AssertionError, match="declares 24"):
+        PushLayout("<5I", "matmul_common.glsl")
 
 
 def test_refuses_small_buffers_and_unknown_variant(dev):

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import vkdsl
-from vkdsl.golden import llama_ref
-from vkdsl.models import load_checkpoint, load_model_files, synthetic
+from vkdsl_golden import llama_ref
+from fixtures import synthetic
+from vkdsl.models import load_checkpoint, load_model_files
 from vkdsl.models.default import default_model_path
 from vkdsl.models.generate import Generator
 from vkdsl.models.llama import Llama
@@ -60,7 +61,7 @@ def test_quantize_on_load(tiny, mode):
     mem = model.device_bytes()
     assert mem["device_bytes"] < 0.4 * mem["fp32_bytes"]
     # reference: the float64 forward on the same quantization, dequantized on the host by numpy
-    from vkdsl import quant
+    from vkdsl.ops import quant
     w = ck.dequantized()
     for name, a in w.items():
         if a.ndim == 2 and a.shape[1] % 64 == 0:

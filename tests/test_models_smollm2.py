@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from vkdsl.golden import llama_ref
+from vkdsl_golden import llama_ref
 from vkdsl.models import Tokenizer, load_gguf, open_gguf
 
 

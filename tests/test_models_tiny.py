@@ -7,10 +7,10 @@ Q/K permutation, and golden/llama_ref.py (which imports nothing from vkdsl) for 
 import numpy as np
 import pytest
 
-from vkdsl.golden import llama_ref
+from vkdsl_golden import llama_ref
 from vkdsl.models import (LlamaConfig, Tokenizer, gguf_to_hf_rows, hf_to_gguf_rows, load_gguf,
                           load_hf)
-from vkdsl.models.synthetic import DEFAULT_TYPES, SPECIAL_TOKENS, build_tiny
+from fixtures.synthetic import DEFAULT_TYPES, SPECIAL_TOKENS, build_tiny
 
 PROMPT = [1, 5, 100, 200, 7, 290, 42, 260, 2, 13, 77]    # (T=11,) arbitrary ids < 300
 
@@ -196,7 +196,7 @@ def test_tiny_tokenizer_same_from_gguf_hf_and_slow_bpe(tiny):
 
 def test_tiny_gguf_tokenizer_variants(tmp_path, tiny):
     """pre = "gpt2" (no digit splitting) and add_bos_token = true, against the slow BPE."""
-    from vkdsl.models.synthetic import write_gguf
+    from fixtures.synthetic import write_gguf
     w = load_gguf(tiny.gguf_path).dequantized()
     path = write_gguf(tmp_path / "gpt2.gguf", w, tiny.cfg, tiny.vocab, types={}, pre="gpt2",
                       add_bos=True)

@@ -1,4 +1,4 @@
-"""Quantization as used by training (vkdsl.ops.quant_checks, models.quantized): the device round
+"""Quantization as used by training (vkdsl.ops.quant, models.quantized): the device round
 trip (device quantize, device dequantize) in bytes and in error, its codes against the goldens,
 the quantized matmul as a graph node forward and backward, and bad input.
 Run: pytest tests/test_ops_quant.py
@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 import vkdsl
-from vkdsl import quant as Q
+from fixtures.quant_codec import decode
+from vkdsl.ops import quant as Q
 from vkdsl.autograd import grad
-from vkdsl.golden import store
+from vkdsl_golden import store
 from vkdsl.models.quantized import Packed
 from vkdsl.models.tensors import TensorRecord
-from vkdsl.ops.quant_checks import codes_of, pair_packed, roundtrip
+from vkdsl.ops.quant import roundtrip
+from vkdsl.ops.quant.checks import codes_of, pair_packed
 
 U32 = 2.0 ** -24
 # Measured relative Frobenius errors on N(0, 1) weights are 0.1076 (int4) and 0.0920 (NF4). The
@@ -34,7 +36,7 @@ def test_device_roundtrip_bytes_and_error(fmt, shape):
     host = Q.quantize_nf4(w) if fmt == "nf4" else Q.quantize_int4(w, np.float16 if fmt == "int4_f16" else np.float32)
     for a, b in zip(qw.arrays, host.arrays):
         assert np.array_equal(a, b)
-    ref = host.dequantize()
+    ref = decode(fmt, host.arrays, shape)                                     # independent decoder
     assert np.all(np.abs(deq - ref) <= np.spacing(np.abs(ref)) + 1e-30)     # FMA contraction: 1 ulp
     # real packed storage: bytes counted on the device arrays, not a 4-bit tensor held as fp32
     n = w.size
@@ -108,8 +110,11 @@ def test_qmatmul_graph_node_forward_and_input_gradient(fmt):
     rec, mode = record_of(fmt, N, K, seed=3)
     W = Packed(rec, mode)
     assert W.device_bytes < W.fp32_bytes / 3
-    wd = Q.dequantize(Q.from_gguf(rec.raw, rec.ggml_type, rec.shape) if mode == "keep" else
-                      (Q.quantize_int4(rec.dequantize()) if mode == "int4" else Q.quantize_nf4(rec.dequantize())))
+    if mode == "keep":                      # GGUF blocks: gguf's own dequantizer is the reference
+        wd = rec.dequantize()
+    else:
+        qw = Q.quantize_int4(rec.dequantize()) if mode == "int4" else Q.quantize_nf4(rec.dequantize())
+        wd = decode(qw.fmt, qw.arrays, qw.shape)
     rng = np.random.default_rng(4)
     x = rng.standard_normal((M, K)).astype(np.float32)
     g = rng.standard_normal((M, N)).astype(np.float32)

@@ -1,10 +1,12 @@
-"""The few-row quantized kernel (decode, M <= 4) against numpy float64 on the dequantized weight.
-Tolerance: fp32 dot products of K = 128 terms of O(1) values: |err| < 1e-4 (gamma_K bound ~1e-5*sum|x||w|)."""
+"""The few-row quantized kernel (decode, M <= 4) against numpy float64 on the weight decoded
+independently (gguf's dequantizer, tests/fixtures/quant_codec.py). The kernel is the lvp variant's
+choice for few rows; it runs on any device, so the test asks for that variant. Tolerance: fp32 dot products of K = 128 terms of O(1) values: |err| < 1e-4 (gamma_K bound ~1e-5*sum|x||w|)."""
 import gguf
 import numpy as np
 import pytest
 
-from vkdsl import quant
+from fixtures.quant_codec import decode
+from vkdsl.ops import quant
 from vkdsl.runtime import Buffer, Recording
 
 
@@ -15,19 +17,21 @@ def test_qmatvec(dev, fmt, M):
     N, K = 70, 128
     w = rng.standard_normal((N, K)).astype(np.float32)
     if fmt.startswith("q"):
-        qw = quant.from_gguf(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, fmt.upper())), fmt.upper(),
-                             (N, K))
+        qt = getattr(gguf.GGMLQuantizationType, fmt.upper())
+        raw = gguf.quants.quantize(w, qt)
+        qw, ref_w = quant.from_gguf(raw, fmt.upper(), (N, K)), gguf.quants.dequantize(raw, qt)
     else:
         qw = quant.quantize_int4(w) if fmt == "int4" else quant.quantize_nf4(w)
+        ref_w = decode(fmt, qw.arrays, (N, K))
     x = rng.standard_normal((M, K)).astype(np.float32)
     X, C = Buffer(dev, x.nbytes), Buffer(dev, 4 * M * N + 64)
     X.write(x)
     C.write(np.full(M * N + 16, 7.0, np.float32))          # sentinels past the output
-    plan = quant.plan_qmatmul(dev, fmt, M=M, N=N, K=K)
+    plan = quant.plan_qmatmul(dev, fmt, M=M, N=N, K=K, variant="lvp")
     assert plan.name.startswith("qmatvec")
     rec = Recording(dev, 2)
-    quant.record_qmatmul(rec, plan, C, X, *qw.upload(dev))
+    quant.record_qmatmul(rec, plan, C, X, *quant.upload_weight(dev, qw))
     rec.submit_wait()
     out = C.read(np.float32)
-    np.testing.assert_allclose(out[:M * N].reshape(M, N), x.astype(np.float64) @ qw.dequantize().T, atol=1e-4)
+    np.testing.assert_allclose(out[:M * N].reshape(M, N), x.astype(np.float64) @ np.asarray(ref_w, np.float64).T, atol=1e-4)
     assert (out[M * N:] == 7.0).all()

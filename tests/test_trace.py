@@ -77,3 +77,11 @@ def test_new_shapes_make_a_new_program(rng):
     np.testing.assert_allclose(f(np.ones((2, 3), np.float32)), [3, 3])
     np.testing.assert_allclose(f(np.ones((4, 5), np.float32)), [5] * 4)
     assert len(f.programs) == 2
+
+
+def test_zero_dim_inputs_keep_their_shape():
+    # a 0-d input (a scalar upstream gradient, a learning rate) stays 0-d inside the trace
+    f = vkdsl.trace(lambda s, x: x * s)
+    out = f(np.float32(2.5), np.arange(3, dtype=np.float32))
+    assert f.program(np.float32(2.5), np.arange(3, dtype=np.float32)).inputs[0].shape == ()
+    assert np.array_equal(out, np.arange(3, dtype=np.float32) * np.float32(2.5))

@@ -2,15 +2,17 @@
 masking of prompt vs completion tokens, truncation, batching, preflight data checks."""
 import json
 
+import click
 import numpy as np
 import pytest
 
+from vkdsl.cli.train import parse
 from vkdsl.models import load_model_files
 from vkdsl.train import config as C
 from vkdsl.train.data import (IGNORE, DataError, Example, Sampler, check_batches, collate, encode_row,
                               load_examples)
 from vkdsl.train.schedule import checkpoints, lr_at
-from vkdsl.models.synthetic import build_tiny
+from fixtures.synthetic import build_tiny
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,9 @@ def test_unknown_toml_key(tmp_path):
 
 def test_unknown_flag_and_bad_value():
     with pytest.raises(C.ConfigError, match="unknown setting 'stepz'"):
-        C.load(None, C.parse_flags(["--stepz", "3"])[2])
+        C.load(None, {"stepz": 3})
+    with pytest.raises(click.NoSuchOption, match="stepz"):
+        parse(["--stepz", "3"])
     with pytest.raises(C.ConfigError, match="steps"):
         C.load(None, {"steps": "many"})
     with pytest.raises(C.ConfigError, match="truncation_side"):
@@ -38,7 +42,7 @@ def test_unknown_flag_and_bad_value():
 def test_flags_override_toml(tmp_path):
     p = tmp_path / "c.toml"
     p.write_text('steps = 7\nrank = 2\ntargets = ["q_proj"]\n')
-    path, resume, over = C.parse_flags(["--config", str(p), "--rank=3", "--no-verify", "--quiet",
+    path, resume, over = parse(["--config", str(p), "--rank=3", "--no-verify", "--quiet",
                                         "--targets", "attn_q,v_proj"])
     cfg = C.load(path, over)
     assert (cfg.steps, cfg.rank, cfg.verify, cfg.quiet, cfg.targets) == (7, 3, False, True, ["attn_q", "v_proj"])

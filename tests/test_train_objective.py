@@ -1,4 +1,4 @@
-"""The training step on a tiny model: lambda = 0 is plain SFT bit for bit, k micro-batches equal
+"""The training step on a tiny model: lambda = 0 is a separately written plain SFT step, k micro-batches equal
 one batch k times larger, the TMKL term equals ops.losses.tmkl and a float64 numpy reference."""
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ from vkdsl.ops import losses
 from vkdsl.train.config import TrainConfig
 from vkdsl.train.inject import InjectError, inject, params_of
 from vkdsl.train.step import HostAdamW, Stepper, select
-from vkdsl.models.synthetic import build_tiny
+from fixtures.synthetic import build_tiny
 
 IGN = -100
 
@@ -53,7 +53,15 @@ def test_patterns(tiny):
     assert inject(m2, TrainConfig(targets=["up_proj"], layers="1", rank=2)) == ["blk.1.ffn_up"]
 
 
-def test_lambda_zero_is_plain_sft_bit_for_bit(tiny):
+def adamw_reference(p, g, m, v, t, lr, b1, b2, eps, wd):
+    """One AdamW step written from Loshchilov & Hutter's algorithm, float64, bias-corrected."""
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    mhat, vhat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+    return p - lr * (mhat / (np.sqrt(vhat) + eps) + wd * p), m, v
+
+
+def test_lambda_zero_is_plain_sft(tiny):
     m, names, cfg = model_with_adapters(tiny, tmkl=0.0, clip=0.0)
     params = params_of(m, names)
     init = [p.numpy() for p in params]
@@ -62,31 +70,31 @@ def test_lambda_zero_is_plain_sft_bit_for_bit(tiny):
     fwd = m.forward
     m.forward = lambda *a, **k: (calls.append(k.get("adapters_on", True)), fwd(*a, **k))[1]
     st = Stepper(m, params, cfg)
-    for _ in range(2):
+    for _ in range(3):
         st.step([(ids, lab)], cfg.lr)
     got = [p.numpy() for p in params]
     assert False not in calls, "lambda = 0 must not build a base (adapters off) forward"
     m.forward = fwd
-    # Plain SFT reference: mean masked CE over the full logits, its gradient, the same AdamW.
+    # Plain SFT written separately: mean masked CE over the full (B*T, V) logits (no position
+    # selection, no TMKL code), its autodiff gradient, and the test's own float64 AdamW.
     set_params(params, init)
 
     @vkdsl.trace
     def sft(ids_t, lab_t):
         loss, _ = losses.cross_entropy(m.forward(ids_t), lab_t)
         return grad(loss, params)
-    opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
-    for _ in range(2):
-        gs = [np.asarray(g) for g in sft(ids, lab)]
-        set_params(params, opt.update([p.numpy() for p in params], gs, cfg.lr))
-    ref = [p.numpy() for p in params]
-    for a, b in zip(got, ref):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    # and bit for bit against the same SFT graph without any TMKL code: lambda > 0 then 0 again
-    set_params(params, init)
-    st0 = Stepper(m, params, cfg)
-    for _ in range(2):
-        st0.step([(ids, lab)], cfg.lr)
-    assert all(np.array_equal(a, p.numpy()) for a, p in zip(got, params))
+    b1, b2 = cfg.betas
+    state = [(p.astype(np.float64), np.zeros(p.shape), np.zeros(p.shape)) for p in init]
+    for t in range(1, 4):
+        gs = [np.asarray(g, np.float64) for g in sft(ids, lab)]
+        state = [adamw_reference(p, g, mo, v, t, cfg.lr, b1, b2, cfg.eps, cfg.weight_decay)
+                 for (p, mo, v), g in zip(state, gs)]
+        set_params(params, [p.astype(np.float32) for p, _, _ in state])
+    # Adam's first steps move each weight by ~lr whatever the gradient's size, so fp32 gradient
+    # noise shows only where g is tiny: relative to lr, not to the weight
+    for a, (b, _, _) in zip(got, state):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * cfg.lr)
+    assert any(np.abs(a - i).max() > cfg.lr for a, i in zip(got, init))      # it did train
 
 
 def test_accumulation_equals_bigger_batch(tiny):

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train_fixtures import tiny_cfg, tiny_setup
+from fixtures.train_data import tiny_cfg, tiny_setup
 from vkdsl.train import checkpoint
-from vkdsl.train.cli import main
+from vkdsl.cli.train import main
 from vkdsl.train.trainer import Run, TrainingStopped, run
 from vkdsl.train.progress import Reporter
 
@@ -101,7 +101,7 @@ def test_single_token_label_scoring_equals_candidate_scoring(setup, tmp_path):
     """The fast path (one forward per held-out row, label tokens compared at the answer
     position) must give the same accuracy and held-out loss as scoring each candidate row."""
     tm, tr, he, pr = setup
-    from train_fixtures import write_jsonl
+    from fixtures.train_data import write_jsonl
     held = write_jsonl(tmp_path / "h.jsonl", [{"prompt": p, "completion": c, "category": "x"} for p, c in
                                               [("Is it down?", "fox"), ("A theme", "dog"), ("Bills", "the"),
                                                ("Hi", "cat food")]])

@@ -115,11 +115,68 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
+# One line of help per setting: `vkdsl-train --help` is generated from FIELDS and this table.
+HELP = {
+    "model": "GGUF file or Hugging Face folder ('' = the installed SmolLM2-135M-Instruct)",
+    "train_file": "SFT rows, JSONL: prompt/completion or messages",
+    "heldout_file": "held-out rows (same format) for accuracy and loss evidence",
+    "preservation_file": "JSONL rows of plain text whose loss must not rise (preservation)",
+    "labels": "comma-separated label set the completions are scored against",
+    "chat_template": "wrap prompt/completion as user/assistant turns",
+    "max_len": "tokens per row after truncation",
+    "truncation_side": "left: drop the prompt's start; right: the completion's end",
+    "bucket": "pad lengths to multiples of this (few compiled programs)",
+    "targets": "comma-separated module patterns the adapters go on (attn_q, q_proj, ...)",
+    "layers": "layers to adapt: '' = all, else e.g. 0-3,7",
+    "rank": "LoRA rank r",
+    "alpha": "LoRA alpha (scale alpha/r, or alpha/sqrt(r) with rslora)",
+    "rslora": "rank-stabilized scale alpha/sqrt(r)",
+    "tmkl": "lambda of the target-masked KL to the base; 0 = plain SFT (no base forward)",
+    "lr": "peak learning rate (AdamW)",
+    "warmup": "linear warm-up steps",
+    "min_lr_ratio": "cosine decay floor as a fraction of lr",
+    "steps": "optimizer steps of SFT",
+    "batch_size": "rows per micro-batch",
+    "grad_accum": "micro-batches per optimizer step",
+    "betas": "AdamW beta1,beta2",
+    "eps": "AdamW epsilon",
+    "weight_decay": "AdamW decoupled weight decay",
+    "clip": "global gradient-norm clip; 0 = none",
+    "seed": "adapter initialization seed",
+    "data_seed": "data order seed",
+    "objective": "sft, dpo or sft+dpo (SFT then DPO)",
+    "dpo_train_file": "preference pairs, JSONL: prompt/chosen/rejected",
+    "dpo_heldout_file": "held-out preference pairs",
+    "dpo_steps": "optimizer steps of DPO",
+    "dpo_beta": "DPO beta",
+    "dpo_lr": "DPO learning rate",
+    "dpo_batch": "pairs per DPO step",
+    "dpo_nll_weight": "weight of an optional NLL on the chosen responses",
+    "reference": "DPO reference: auto (the SFT adapter after SFT, else the base), base, sft or none",
+    "eval_every": "steps between held-out evaluations; 0 = only at the end",
+    "eval_batch": "rows per evaluation batch",
+    "checkpoint_every": "steps between checkpoints; 0 = only at the end",
+    "merge_check_rows": "rows on which merged and separate logits are compared",
+    "gate_heldout_acc": "gate: held-out label accuracy must exceed this",
+    "gate_preservation": "gate: preservation loss may rise at most this (nats/token)",
+    "gate_train_drop": "gate: the final train loss must be below the first by more than this",
+    "gate_merge": "gate: merged-vs-separate max logit difference",
+    "verify": "a short `vkdsl verify` pass over the kernels used, before training",
+    "out": "run folder ('' = runs/<date-time>)",
+    "quiet": "print only the summary",
+    "jsonl": "print one JSON object per event instead of progress",
+}
+assert set(HELP) == set(FIELDS), f"settings without help: {sorted(set(FIELDS) ^ set(HELP))}"
+
+
+def default_of(name):
+    f = FIELDS[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
 
 def _coerce(name, value):
     """A CLI string or TOML value -> the field's type."""
-    default = FIELDS[name].default if FIELDS[name].default is not dataclasses.MISSING \
-        else FIELDS[name].default_factory()
+    default = default_of(name)
     try:
         if isinstance(default, bool):
             if isinstance(value, bool):
@@ -167,39 +224,3 @@ def load(toml_path=None, overrides: dict | None = None) -> TrainConfig:
             raise _unknown(k, "command line")
         values[k] = _coerce(k, v)
     return TrainConfig(**values).validate()
-
-
-def parse_flags(argv: list[str]) -> tuple[str | None, str | None, dict]:
-    """--key value / --key=value / --flag (booleans) / --no-flag -> (config path, resume dir, overrides).
-    --config and --resume are not settings themselves."""
-    cfg_path = resume = None
-    out, i = {}, 0
-    while i < len(argv):
-        a = argv[i]
-        if not a.startswith("--"):
-            raise ConfigError(f"command line: unexpected argument {a!r} (settings are --name value)")
-        key, _, val = a[2:].partition("=")
-        key = key.replace("-", "_")
-        neg = key.startswith("no_") and key[3:] in FIELDS and isinstance(FIELDS[key[3:]].default, bool)
-        if key in ("config", "resume"):
-            if not val:
-                i += 1
-                if i >= len(argv):
-                    raise ConfigError(f"command line: --{key} needs a value")
-                val = argv[i]
-            cfg_path, resume = (val, resume) if key == "config" else (cfg_path, val)
-        elif neg:
-            out[key[3:]] = False
-        elif key not in FIELDS:
-            raise _unknown(key, "command line")
-        elif isinstance(FIELDS[key].default, bool) and not val:
-            out[key] = True
-        else:
-            if not val:
-                i += 1
-                if i >= len(argv):
-                    raise ConfigError(f"command line: --{key} needs a value")
-                val = argv[i]
-            out[key] = val
-        i += 1
-    return cfg_path, resume, out

@@ -13,7 +13,7 @@ import vkdsl
 from vkdsl.ops import losses
 
 from .data import IGNORE, Example, collate
-from .step import select, selected_logits
+from .step import selected_logits
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:

@@ -5,7 +5,7 @@ import re
 
 from vkdsl.ops.lora import LoRA
 
-from vkdsl.models.llama import LINEARS
+from vkdsl.models.config import LINEARS
 
 HF_ALIASES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}

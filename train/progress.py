@@ -1,17 +1,27 @@
-"""Output: a progress line per step, the log file, quiet and JSON-lines modes."""
+"""Output: progress per step (a tqdm bar with ETA and throughput on a terminal, plain lines
+otherwise), the log file, quiet and JSON-lines modes."""
 from __future__ import annotations
 
 import json
 import sys
 import time
 
+from tqdm import tqdm
+
 
 class Reporter:
-    def __init__(self, log_path=None, quiet=False, jsonl=False):
+    def __init__(self, log_path=None, quiet=False, jsonl=False, tty=None):
         self.log = open(log_path, "a", encoding="utf-8") if log_path else None
         self.quiet, self.jsonl = quiet, jsonl
-        self.t0 = None
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.t0, self.bar = None, None
         self.tokens = 0
+
+    def _print(self, text):
+        if self.bar is not None:
+            self.bar.write(text)             # above the bar, which redraws below
+        else:
+            print(text, flush=True)
 
     def say(self, text):
         """Human text: stdout unless quiet/jsonl; always the log."""
@@ -19,7 +29,7 @@ class Reporter:
             self.log.write(text + "\n")
             self.log.flush()
         if not (self.quiet or self.jsonl):
-            print(text, flush=True)
+            self._print(text)
 
     def event(self, kind, **rec):
         if self.jsonl:
@@ -32,12 +42,27 @@ class Reporter:
         el = time.perf_counter() - self.t0
         done = step - self.first + 1
         eta = el / done * (total - step)
+        tok_s = rec["seq_tokens"] / max(rec["time"], 1e-9)
         line = (f"step {step}/{total}  loss {rec['loss']:.4f}  tmkl {rec['tmkl']:.4f}  lr {rec['lr']:.2e}  "
-                f"|g| {rec['grad_norm']:.3f}  {rec['seq_tokens'] / max(rec['time'], 1e-9):.0f} tok/s  "
-                f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+                f"|g| {rec['grad_norm']:.3f}  {tok_s:.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s")
         if self.log:
             self.log.write(line + "\n")
             self.log.flush()
         self.event("step", step=step, **{k: v for k, v in rec.items() if k != "raw_grads"})
-        if not (self.quiet or self.jsonl):
+        if self.quiet or self.jsonl:
+            return
+        if not self.tty:
             print(line, flush=True)
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=total, initial=step - 1, unit="step", dynamic_ncols=True, file=sys.stdout)
+        self.bar.set_postfix_str(f"loss {rec['loss']:.4f} tmkl {rec['tmkl']:.4f} lr {rec['lr']:.2e} "
+                                 f"|g| {rec['grad_norm']:.3f} {tok_s:.0f} tok/s", refresh=False)
+        self.bar.update(1)
+        if step >= total:
+            self.close()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

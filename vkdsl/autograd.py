@@ -5,8 +5,6 @@ gradient tensor (let alone a buffer), while input gradients through frozen layer
 to earlier trainable tensors. The result is a lazy graph like any other: trace it."""
 from __future__ import annotations
 
-import math
-
 from .tensor import Tensor
 
 # Each rule: (node, upstream gradient g, *sources) -> one gradient per source (None = no gradient).

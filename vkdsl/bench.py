@@ -6,6 +6,10 @@ import time
 
 import numpy as np
 
+from .realize import record_step, step_name
+from .runtime import Recording
+from .trace import trace
+
 
 def best_of(fn, reps: int = 5, min_time: float = 0.2) -> float:
     """Best wall time of fn() over reps runs (after one warm-up), at least min_time in total."""
@@ -23,7 +27,6 @@ def best_of(fn, reps: int = 5, min_time: float = 0.2) -> float:
 
 def bench_matmul(sizes=(256, 512, 1024, 2048)):
     """fp32 C = A @ B (n x n x n) on the device vs numpy on the same cores."""
-    from . import trace
     rows = []
     rng = np.random.default_rng(0)
     for n in sizes:
@@ -44,8 +47,6 @@ def bench_matmul(sizes=(256, 512, 1024, 2048)):
 def bench_replay(n_dispatches: int = 1000, size: int = 256):
     """A traced program of n small dispatches, replayed, vs the same dispatches recorded by
     hand into one command buffer and submitted directly."""
-    from . import trace
-    from .runtime import Recording
     x = np.linspace(0, 1, size, dtype=np.float32)
 
     def chain(t):
@@ -62,10 +63,8 @@ def bench_replay(n_dispatches: int = 1000, size: int = 256):
     # Hand-recorded: the same pipelines and buffers, one dispatch per step, barriers between.
     dev = prog.dev
     rec = Recording(dev, n_sets=n_dispatches + 1, label="raw")
-    from .realize import _generated_kernel
     for s in prog.steps:
-        k, groups = _generated_kernel(dev, s, prog.buffer_of)
-        rec.dispatch(k, [prog.buffer_of(s.node)] + [prog.buffer_of(i) for i in s.inputs], groups)
+        record_step(rec, s, prog.buffer_of)
     rec.finish()
     replay_t = best_of(lambda: traced(x), reps=10)
     raw_t = best_of(rec.submit_wait, reps=10)
@@ -78,25 +77,14 @@ def profile(prog, top: int = 15):
     """Time each step of a recorded program on its own (one submit per step): where the time goes."""
     from collections import defaultdict
 
-    from .realize import _generated_kernel, _record_matmul
-    from .runtime import Recording
     totals, counts = defaultdict(float), defaultdict(int)
     dev = prog.dev
     for s in prog.steps:
         if s.kind == "assign":
             continue
         rec = Recording(dev, 8, label="profile")
-        out = prog.buffer_of(s.node)
-        if s.kind == "matmul":
-            _record_matmul(rec, s.node, out, *[prog.buffer_of(x) for x in s.node.src])
-            key = f"matmul {s.node.shape}"
-        elif s.kind == "custom":
-            s.node.arg.record(rec, out, [prog.buffer_of(x) for x in s.node.src])
-            key = f"{s.node.arg.name} {s.node.shape}"
-        else:
-            k, groups = _generated_kernel(dev, s, prog.buffer_of)
-            rec.dispatch(k, [out] + [prog.buffer_of(i) for i in s.inputs], groups)
-            key = f"{s.kind} {k.name}"
+        record_step(rec, s, prog.buffer_of)
+        key = step_name(s)
         rec.finish()
         rec.submit_wait()
         t = time.perf_counter()

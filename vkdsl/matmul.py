@@ -18,40 +18,15 @@ correct on every device; `variant=` overrides the choice (tests run `gpu` on lav
 """
 from __future__ import annotations
 
-import re
-import struct
 from dataclasses import dataclass
 
 from .compiler import compile_glsl, kernel_source
-from .runtime import get_kernel
+from .handwritten import LVP_TILE, PushLayout, build_kernel, default_variant, gpu_config, lvp_widths, widest
 
 # MatmulPush: M, N, K, stride_a, stride_b, stride_c (uint32 each; batch strides in elements).
-PUSH_FORMAT = "<6I"
-
-
-def _push_block_size(source: str) -> int:
-    """Bytes of the push-constant block declared in a GLSL source (uint/int/float members only)."""
-    body = re.search(r"layout\(push_constant\)\s*uniform\s+\w+\s*\{(.*?)\}", source, re.S).group(1)
-    n = 0
-    for decl in body.split(";"):
-        m = re.match(r"\s*(uint|int|float)\s+(.+)", decl.strip())
-        if m:
-            n += len(m.group(2).split(","))
-        elif decl.strip():
-            raise ValueError(f"unexpected push-constant member {decl.strip()!r}")
-    return 4 * n
-
-
-assert struct.calcsize(PUSH_FORMAT) == _push_block_size(kernel_source("matmul_common.glsl")), \
-    "PUSH_FORMAT does not match MatmulPush in kernels/matmul_common.glsl"
+PUSH = PushLayout("<6I", "matmul_common.glsl")
 
 FORMS = {(False, False): "nn", (False, True): "nt", (True, False): "tn", (True, True): "tt"}
-
-# lavapipe tile: 16 rows x 32 columns per invocation, 8 invocations (one SIMD program) along the
-# columns. Measured at 1024^3 on 2 cores with this loop structure (best of 3): 16x32 and 32x16
-# ~43 GFLOP/s, 8x16 ~30, 32x32 ~25 (accumulators spill). Columns fastest in the grid: rows fastest
-# measured half the speed.
-LVP_TILE = dict(TM=16, TN=32, LOCAL=(8, 1, 1))
 
 
 @dataclass(frozen=True)
@@ -75,34 +50,6 @@ class MatmulPlan:
         return 2 * self.M * self.N * self.K * self.batch
 
 
-
-
-def has_int64(dev) -> bool:
-    """shaderInt64, needed by VEC=8 loads (enabled at device creation when present)."""
-    return dev.limits.int64
-
-
-def default_variant(dev) -> str:
-    return "lvp" if dev.info.kind == "cpu" else "gpu"
-
-
-def _widest(values, widths) -> int:
-    return next(w for w in widths if all(v % w == 0 for v in values))
-
-
-def gpu_config(dev) -> dict:
-    """Block tile for the shared-memory kernel: 128x128 (8x8 per thread) where 256 threads and the
-    shared memory fit, else 64x64 (4x4), else 32x32 (4x4, 64 threads)."""
-    lim = dev.limits
-    for bm, bk, t in ((128, 8, 8), (64, 16, 4), (32, 16, 4)):
-        threads = (bm // t) ** 2
-        shared = 2 * bk * (bm + 1) * 4
-        if (threads <= lim.max_workgroup_invocations and bm // t <= min(lim.max_workgroup_size[:2])
-                and shared <= lim.max_shared_memory and threads % max(lim.subgroup_size, 1) == 0):
-            return dict(BM=bm, BN=bm, BK=bk, TM=t, TN=t, LOCAL=(bm // t, bm // t, 1))
-    raise RuntimeError(f"{dev.info.name}: no shared-memory matmul tile fits the device limits")
-
-
 def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
                     stride_a: int, stride_b: int, stride_c: int):
     """(kernel name, defines, local size, rows and columns per workgroup) of one variant."""
@@ -116,13 +63,9 @@ def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: in
         raise ValueError(f"unknown matmul variant {variant!r} (lvp or gpu)")
     # the contiguous dimension of each stored operand, and the batch strides, must be multiples of VEC
     contiguous = [M if ta else K, K if tb else N, stride_a, stride_b]
-    vec = _widest(contiguous, lvp_widths(dev))
+    vec = widest(contiguous, lvp_widths(dev))
     sv = 4 if N % 4 == 0 and stride_c % 4 == 0 else 1
     return lvp_defines(ta, tb, vec, sv)
-
-
-def lvp_widths(dev) -> tuple:
-    return (8, 4, 1) if has_int64(dev) else (4, 1)
 
 
 def lvp_defines(ta: bool, tb: bool, vec: int, sv: int):
@@ -130,23 +73,6 @@ def lvp_defines(ta: bool, tb: bool, vec: int, sv: int):
     d = {"TA": int(ta), "TB": int(tb), "VEC": vec, "SV": sv, "TM": t["TM"], "TN": t["TN"]}
     lx, ly, _ = t["LOCAL"]
     return f"matmul_{FORMS[(bool(ta), bool(tb))]}_lvp_v{vec}s{sv}", d, t["LOCAL"], ly * t["TM"], lx * t["TN"]
-
-
-_kernels = {}
-
-
-def build_kernel(dev, source, name, defines, n_buffers, push_format, local):
-    """A hand-written kernel variant (a .comp file + defines), compiled and built once per device."""
-    key = (dev.info.index, name, tuple(sorted(defines.items())), tuple(local))
-    if key not in _kernels:
-        spirv = compile_glsl(name, kernel_source(source), defines)
-        _kernels[key] = get_kernel(dev, name, spirv, n_buffers=n_buffers, push_size=struct.calcsize(push_format),
-                                   local_size=tuple(local))
-    return _kernels[key]
-
-
-def _kernel(dev, name, defines, local, n_buffers=3, source="matmul.comp"):
-    return build_kernel(dev, source, name, defines, n_buffers, PUSH_FORMAT, local)
 
 
 def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False, tb: bool = False,
@@ -162,14 +88,14 @@ def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False
     sc = M * N
     variant = variant or default_variant(dev)
     name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc)
-    push = struct.pack(PUSH_FORMAT, M, N, K, sa, sb, sc)
+    push = PUSH.pack(M, N, K, sa, sb, sc)
     groups = (-(-N // bn), -(-M // bm), batch)
     if min(M, N, batch) == 0:
         groups = (0, 0, 0)      # nothing to write; the runtime skips empty dispatches
     if max(groups) > 0 and any(g > lim for g, lim in zip(groups, dev.limits.max_workgroup_count)):
         raise ValueError(f"matmul {M}x{N}x{K} batch {batch}: {groups} workgroups exceed the device limit")
     last = max(batch - 1, 0)
-    return MatmulPlan(name=name, kernel=_kernel(dev, name, defines, local), groups=groups, push=push,
+    return MatmulPlan(name=name, kernel=build_kernel(dev, "matmul.comp", name, defines, 3, PUSH, local), groups=groups, push=push,
                       M=M, N=N, K=K, batch=batch, ta=bool(ta), tb=bool(tb),
                       bytes_a=4 * (last * sa + M * K), bytes_b=4 * (last * sb + K * N),
                       bytes_c=4 * (last * sc + M * N))
@@ -184,11 +110,8 @@ def record_matmul(rec, plan: MatmulPlan, C, A, B):
     rec.dispatch(plan.kernel, [C, A, B], plan.groups, plan.push, writes=[0])
 
 
-def builtin_variants(dev=None, quant: bool = True) -> list[str]:
-    """Compile (to SPIR-V, no pipelines) every matmul variant this device can pick, for bundles;
-    with quant, also every quantized-weight kernel (vkdsl.quant.builtin_variants)."""
-    from .runtime import default_device
-    dev = dev or default_device()
+def builtin_variants(dev) -> list[str]:
+    """Compile (to SPIR-V, no pipelines) every matmul variant this device can pick, for bundles."""
     names = []
     for ta, tb in FORMS:
         variants = [lvp_defines(ta, tb, vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
@@ -196,10 +119,8 @@ def builtin_variants(dev=None, quant: bool = True) -> list[str]:
         for name, d, _, _, _ in variants:
             compile_glsl(name, kernel_source("matmul.comp"), d)
             names.append(name)
-    if quant:
-        from .quant import builtin_variants as quant_variants   # quant builds on this module
-        names += quant_variants(dev)
     return names
+
 
 def bench(sizes=(256, 512, 1024, 2048), forms=("nn", "nt", "tn"), variant=None, rounds=3, dev=None):
     """GFLOP/s of C = op(A) . op(B) (n x n x n) beside numpy in the same process: best of `rounds`

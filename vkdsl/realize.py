@@ -5,6 +5,7 @@ realized leaves. vkdsl.trace keeps the program and replays it: upload inputs, on
 wait, read outputs -- no Python work per dispatch."""
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 
@@ -12,13 +13,32 @@ import numpy as np
 
 from . import render
 from .compiler import compile_glsl
+from .graph import NP_DTYPE, reshape_base
+from .handwritten import fold_grid
+from .matmul import plan_matmul, record_matmul
 from .runtime import Buffer, Recording, default_device, get_kernel
 from .schedule import plan
-from .tensor import Tensor
 
-_local = threading.local()
-NP_DTYPE = {"float32": np.float32, "int32": np.int32}
-REDUCE_GROUP = 64          # workgroup size of a reduction that gives each output a workgroup
+
+class Capture:
+    """What a traced function does besides returning tensors: its assigns, replayed each call."""
+
+    def __init__(self):
+        self.assigns = []
+
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def capturing():
+    """Within the block, Tensor.assign records into the yielded Capture instead of running."""
+    cap, prev = Capture(), getattr(_state, "capture", None)
+    _state.capture = cap
+    try:
+        yield cap
+    finally:
+        _state.capture = prev
 
 
 def _nbytes(t):
@@ -33,41 +53,57 @@ def upload(a: np.ndarray, device=None, name=None) -> Buffer:
     return buf
 
 
-def _grid(n_groups, dev):
-    """Spread a 1-d workgroup count over x and y when it exceeds the per-axis limit."""
-    lim = dev.limits.max_workgroup_count[0]
-    if n_groups <= lim:
-        return (n_groups, 1, 1)
-    gx = lim
-    return (gx, -(-n_groups // gx), 1)
+def generated_kernel(dev, step):
+    """(pipeline, workgroups) of a generated step: the renderer says the geometry."""
+    r = render.render_step(step)
+    k = get_kernel(dev, r.name, compile_glsl(r.name, r.source), 1 + len(step.inputs), 0, r.local)
+    return k, fold_grid(dev, r.n_groups)
 
 
-def _generated_kernel(dev, step, buffers_of):
-    t = step.node
-    if step.kind == "reduce":
-        R = t.src[0].shape[t.arg[1]]
-        group = REDUCE_GROUP if R >= 128 else 1
-        src = render.reduction(t, step.inputs, group)
-        n = math.prod(t.shape)
-        local = (group, 1, 1) if group > 1 else (64, 1, 1)
-        groups = _grid(n, dev) if group > 1 else _grid(-(-n // 64), dev)
-    elif step.kind == "gather":
-        table, idx = t.src
-        src = render.gather(table.shape, math.prod(idx.shape))
-        local, groups = (64, 1, 1), _grid(-(-math.prod(t.shape) // 64), dev)
+def step_name(step) -> str:
+    """A step's kernel class, for profiles: matmul shape, custom op name or generated kernel name."""
+    if step.kind == "matmul":
+        return f"matmul {step.node.shape}"
+    if step.kind == "custom":
+        return f"{step.node.arg.name} {step.node.shape}"
+    return render.render_step(step).name
+
+
+def record_step(rec, step, buffer_of):
+    """Record one scheduled step into rec: the one place that knows how each kind is dispatched."""
+    out = buffer_of(step.target) if step.kind == "assign" else buffer_of(step.node)
+    if step.kind == "matmul":
+        _record_matmul(rec, step.node, out, *[buffer_of(x) for x in step.node.src])
+    elif step.kind == "custom":
+        step.node.arg.record(rec, out, [buffer_of(x) for x in step.node.src])
+    elif step.kind == "assign" and len(step.inputs) == 1 and step.inputs[0] is step.node:
+        rec.copy(buffer_of(step.node), out, _nbytes(step.node))
     else:
-        src = render.elementwise(t, step.inputs)
-        local, groups = (64, 1, 1), _grid(-(-math.prod(t.shape) // 64), dev)
-    name = f"{step.kind}_{'x'.join(map(str, t.shape)) or 'scalar'}"
-    k = get_kernel(dev, name, compile_glsl(name, src), 1 + len(step.inputs), 0, local)
-    return k, groups
+        k, groups = generated_kernel(rec.device, step)
+        rec.dispatch(k, [out] + [buffer_of(x) for x in step.inputs], groups)
+
+
+def _record_matmul(rec, node, out, abuf, bbuf):
+    ta, tb, nb, ba, bb = node.arg
+    a = node.src[0]
+    M, N = node.shape[-2:]
+    K = a.shape[-2] if ta else a.shape[-1]
+    p = plan_matmul(rec.device, M=M, N=N, K=K, batch=nb, ta=ta, tb=tb,
+                    batch_stride_a=M * K if ba > 1 else 0, batch_stride_b=K * N if bb > 1 else 0)
+    record_matmul(rec, p, out, abuf, bbuf)
+
+
+GUARD_WORD = np.uint32(0x7FC0DEAD)    # a NaN pattern no kernel writes by accident
 
 
 class Program:
-    """outputs: tensors to read back; inputs: placeholder tensors (op 'input') filled per run."""
+    """outputs: tensors to read back; inputs: placeholder tensors (op 'input') filled per run.
+    guard_bytes > 0 gives each output buffer that many bytes of sentinel words past its end, and
+    guards_intact() says whether any kernel wrote there (tests catch out-of-bounds writes)."""
 
-    def __init__(self, outputs, inputs=(), assigns=(), device=None, label="program"):
+    def __init__(self, outputs, inputs=(), assigns=(), device=None, label="program", guard_bytes: int = 0):
         self.dev = dev = device or default_device()
+        self.guard_bytes = -(-int(guard_bytes) // 4) * 4
         self.outputs, self.inputs, self.label = list(outputs), list(inputs), label
         steps, mat = plan(self.outputs, list(assigns))
         self.steps = steps
@@ -80,26 +116,27 @@ class Program:
             self._own(t, Buffer(dev, _nbytes(t), label=f"input{t.arg}"))
             self.in_stage.append(None if unified else Buffer(dev, _nbytes(t), host=True, label="stage-in"))
         # Outputs, and the nodes that outputs alias through reshapes, keep dedicated buffers.
-        out_ids = {id(o) for o in self.outputs} | {id(_reshape_base(o)) for o in self.outputs}
+        out_ids = {id(o) for o in self.outputs} | {id(reshape_base(o)) for o in self.outputs}
         last_use = {}
         for i, s in enumerate(steps):
             for x in s.inputs:
-                last_use[id(_reshape_base(x))] = i
+                last_use[id(reshape_base(x))] = i
         free: dict[int, list[Buffer]] = {}
-        self.total_bytes = 0
         for i, s in enumerate(steps):
             if s.kind == "assign":
                 continue
             t = s.node
             nb = _nbytes(t)
             if id(t) in out_ids:
-                buf = Buffer(dev, nb, label="output")
+                buf = Buffer(dev, nb + self.guard_bytes, label="output")
+                if self.guard_bytes:
+                    buf.write(np.full(self.guard_bytes // 4, GUARD_WORD), offset=nb)
             else:
                 pool = free.get(nb)
                 buf = pool.pop() if pool else Buffer(dev, nb, label="temp")
             self._own(t, buf)
             for x in s.inputs:          # release buffers whose last reader is this step
-                key = id(_reshape_base(x))
+                key = id(reshape_base(x))
                 if last_use.get(key) == i and key not in out_ids and key in self.bufs and \
                         self._is_temp(key):
                     free.setdefault(self.bufs[key].nbytes, []).append(self.bufs[key])
@@ -132,19 +169,7 @@ class Program:
             if st is not None:
                 rec.copy(st, self.buffer_of(t), _nbytes(t))
         for s in self.steps:
-            out = self.buffer_of(s.target) if s.kind == "assign" else self.buffer_of(s.node)
-            if s.kind in ("matmul", "custom"):
-                srcs = [self.buffer_of(x) for x in s.node.src]
-                if s.kind == "matmul":
-                    _record_matmul(rec, s.node, out, *srcs)
-                else:
-                    s.node.arg.record(rec, out, srcs)
-                continue
-            if s.kind == "assign" and len(s.inputs) == 1 and s.inputs[0] is s.node:
-                rec.copy(self.buffer_of(s.node), out, _nbytes(s.node))
-                continue
-            k, groups = _generated_kernel(dev, s, self.buffer_of)
-            rec.dispatch(k, [out] + [self.buffer_of(x) for x in s.inputs], groups)
+            record_step(rec, s, self.buffer_of)
         for o, st in zip(self.outputs, self.out_stage):
             if st is not None:
                 rec.copy(self.buffer_of(o), st, _nbytes(o))
@@ -164,25 +189,18 @@ class Program:
                        np.zeros(o.shape, NP_DTYPE[o.dtype]))
         return res
 
+    def guards_intact(self) -> bool:
+        """True when no output's sentinel words (guard_bytes past its end) were overwritten."""
+        for o in self.outputs:
+            if self.buffer_of(o).nbytes < _nbytes(o) + self.guard_bytes:
+                continue                   # a leaf returned as is: not written by this program
+            words = self.buffer_of(o).read(np.uint32, (_nbytes(o) + self.guard_bytes) // 4)[_nbytes(o) // 4:]
+            if not np.all(words == GUARD_WORD):
+                return False
+        return True
+
     def release(self):
         self.recording.release()
-
-
-def _reshape_base(t):
-    while t.op == "reshape":
-        t = t.src[0]
-    return t
-
-
-def _record_matmul(rec, node, out, abuf, bbuf):
-    ta, tb, nb, ba, bb = node.arg
-    a, b = node.src
-    M, N = node.shape[-2:]
-    K = a.shape[-2] if ta else a.shape[-1]
-    from .matmul import plan_matmul, record_matmul
-    p = plan_matmul(rec.device, M=M, N=N, K=K, batch=nb, ta=ta, tb=tb,
-                    batch_stride_a=M * K if ba > 1 else 0, batch_stride_b=K * N if bb > 1 else 0)
-    record_matmul(rec, p, out, abuf, bbuf)
 
 
 def _as_leaf(t, buf):
@@ -212,7 +230,7 @@ def _read(t):
 
 
 def assign(target, value):
-    ctx = getattr(_local, "trace", None)
+    ctx = getattr(_state, "capture", None)
     if ctx is not None:
         ctx.assigns.append((target, value))
         return

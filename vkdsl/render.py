@@ -4,6 +4,7 @@ cheap to compile); hand-written kernels (matmul, ...) take shapes as push consta
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 CODE_FOR_OP = {
     "neg": "(-{0})", "exp": "exp({0})", "log": "log({0})", "sqrt": "sqrt({0})", "rsqrt": "inversesqrt({0})",
@@ -106,7 +107,7 @@ def reshape_index(idx, new, old):
     return [f"(({flat}) / {st}u % {s}u)" if s != 1 else "0u" for s, st in zip(old, _strides(old))]
 
 
-def _header(bindings, local=64):
+def _header(bindings):
     """bindings: [(glsl type, name, writeonly?)]."""
     out = ["#version 450", "layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;"]
     for i, (ty, wo) in enumerate(bindings):
@@ -119,6 +120,35 @@ def _unflatten(var, shape):
 
 
 GID = "gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x"
+
+
+LOCAL = 64                 # invocations per workgroup of an elementwise or per-output kernel
+REDUCE_GROUP = 64          # workgroup of a reduction that gives each output a workgroup
+
+
+class Rendered(NamedTuple):
+    """A generated kernel: GLSL source and its geometry (workgroup size, 1-d workgroup count)."""
+    name: str
+    source: str
+    local: tuple
+    n_groups: int
+
+
+def render_step(step) -> Rendered:
+    """The kernel of one scheduled step (elementwise, reduce or gather): out is binding 0,
+    step.inputs follow in order."""
+    t = step.node
+    name = f"{step.kind}_{'x'.join(map(str, t.shape)) or 'scalar'}"
+    n = math.prod(t.shape)
+    if step.kind == "reduce":
+        group = REDUCE_GROUP if t.src[0].shape[t.arg[1]] >= 128 else 1
+        src = reduction(t, step.inputs, group)
+        return Rendered(name, src, (group, 1, 1), n) if group > 1 else \
+            Rendered(name, src, (LOCAL, 1, 1), -(-n // LOCAL))
+    if step.kind == "gather":
+        table, idx = t.src
+        return Rendered(name, gather(table.shape, math.prod(idx.shape)), (LOCAL, 1, 1), -(-n // LOCAL))
+    return Rendered(name, elementwise(t, step.inputs), (LOCAL, 1, 1), -(-n // LOCAL))
 
 
 def elementwise(node, leaves) -> str:

@@ -4,46 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .tensor import BINARY, UNARY, VIEWS, Tensor
-
-KERNEL_OPS = ("reduce", "matmul", "gather", "custom")
-ELEMENTWISE = UNARY + BINARY + ("where", "contiguous")
+from .graph import ELEMENTWISE, KERNEL_OPS, VIEWS, base_of, walk
 
 
 @dataclass
 class Step:
     kind: str                         # elementwise | reduce | gather | matmul | custom | assign
-    node: Tensor                      # the node computed (for assign: the value expression)
+    node: object                      # the Tensor computed (for assign: the value expression)
     inputs: list = field(default_factory=list)   # materialized tensors read, in binding order
-    target: Tensor | None = None      # assign: the realized tensor written
+    target: object = None             # assign: the realized Tensor written
 
 
-def walk(roots):
-    """Nodes reachable from roots in dependency order (sources first); stops at leaves."""
-    order, seen = [], set()
-    stack = [(r, False) for r in reversed(roots)]
-    while stack:
-        t, done = stack.pop()
-        if done:
-            order.append(t)
-            continue
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        stack.append((t, True))
-        if t.op not in ("buffer", "input"):
-            stack.extend((s, False) for s in reversed(t.src))
-    return order
-
-
-def base_of(t: Tensor) -> Tensor:
-    """Follow views down to the node that holds the data."""
-    while t.op in VIEWS:
-        t = t.src[0]
-    return t
-
-
-def plan(outputs: list[Tensor], assigns: list[tuple[Tensor, Tensor]]):
+def plan(outputs: list, assigns: list[tuple]):
     """Returns (steps, materialized): steps in execution order; materialized = set of ids of
     nodes that own (or alias) a buffer."""
     roots = list(outputs) + [v for _, v in assigns]
@@ -89,7 +61,7 @@ def _kind(t):
     return t.op if t.op in KERNEL_OPS else "elementwise"
 
 
-def leaves_of(t: Tensor, mat: set) -> list[Tensor]:
+def leaves_of(t, mat: set) -> list:
     """Materialized tensors an elementwise expression rooted at t reads (t itself excluded)."""
     out, seen = [], set()
 
@@ -103,8 +75,7 @@ def leaves_of(t: Tensor, mat: set) -> list[Tensor]:
         if n.op == "reduce" and not top:
             out.append(n)
             return
-        srcs = n.src if n.op not in ("matmul", "gather", "custom") or not top else n.src
-        for s in srcs:
+        for s in n.src:
             visit(s, False)
     visit(t, True)
     return out

@@ -3,15 +3,11 @@ result is asked for (.numpy()); then the graph is scheduled into kernels (see sc
 from __future__ import annotations
 
 import math
-from typing import Sequence
 
 import numpy as np
 
-UNARY = ("neg", "exp", "log", "sqrt", "rsqrt", "tanh", "recip", "sin", "cos")
-BINARY = ("add", "sub", "mul", "div", "max", "cmplt", "cmpeq")
-VIEWS = ("reshape", "permute", "expand", "slice", "pad")
-LEAVES = ("buffer", "input", "const", "iota")
-DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32"}
+from . import realize
+from .graph import DTYPES, MatmulArg
 
 
 class ShapeError(ValueError):
@@ -47,7 +43,6 @@ class Tensor:
     # ---- construction -------------------------------------------------------------
     @staticmethod
     def from_numpy(a, requires_grad=False, name=None, device=None) -> "Tensor":
-        from .realize import upload
         a = np.asarray(a)
         if a.dtype.kind == "f":
             a = a.astype(np.float32, copy=False)
@@ -57,7 +52,7 @@ class Tensor:
             a = a.astype(np.int32, copy=False)
         else:
             raise TypeError(f"vkdsl tensors hold float32 or int32; got numpy dtype {a.dtype}")
-        return Tensor("buffer", shape=a.shape, dtype=DTYPES[a.dtype], buffer=upload(a, device, name),
+        return Tensor("buffer", shape=a.shape, dtype=DTYPES[a.dtype], buffer=realize.upload(a, device, name),
                       requires_grad=requires_grad, name=name)
 
     @staticmethod
@@ -93,8 +88,7 @@ class Tensor:
         return f"Tensor({self.op}, shape={self.shape}, dtype={self.dtype}{', grad' if self.requires_grad else ''})"
 
     def numpy(self) -> np.ndarray:
-        from .realize import realize
-        return realize([self])[0]
+        return realize.realize([self])[0]
 
     def item(self) -> float:
         a = self.numpy()
@@ -295,13 +289,12 @@ class Tensor:
     def assign(self, value: "Tensor") -> "Tensor":
         """Write value into this realized tensor's buffer. Inside a trace the write happens at the
         end of each replay (reads in the traced function see the values from before the call)."""
-        from .realize import assign
         if self.op != "buffer":
             raise ValueError("assign() needs a realized tensor (one made by from_numpy or already computed)")
         value = value if isinstance(value, Tensor) else Tensor.const(value, self.shape)
         if value.shape != self.shape:
             raise ShapeError(f"assign: value of shape {value.shape} into tensor of shape {self.shape}")
-        assign(self, value)
+        realize.assign(self, value)
         return self
 
 
@@ -336,5 +329,5 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         return t, tr, (math.prod(t.shape[:-2]) if t.ndim > 2 else 1)
     a2, ta, ba = prep(a, M, K)
     b2, tb, bb = prep(b, K, N)
-    return Tensor("matmul", (a2, b2), (ta, tb, nb, ba, bb), shape=out_shape,
+    return Tensor("matmul", (a2, b2), MatmulArg(ta, tb, nb, ba, bb), shape=out_shape,
                   requires_grad=a.requires_grad or b.requires_grad)

@@ -7,14 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import realize as _r
-from .realize import Program
-from .tensor import DTYPES, Tensor
-
-
-class _Capture:
-    def __init__(self):
-        self.assigns = []
+from .graph import DTYPES
+from .realize import Program, capturing
+from .tensor import Tensor
 
 
 def _flatten(out):
@@ -31,8 +26,8 @@ def _flatten(out):
 
 
 class Traced:
-    def __init__(self, fn, device=None):
-        self.fn, self.device = fn, device
+    def __init__(self, fn, device=None, guard_bytes: int = 0):
+        self.fn, self.device, self.guard_bytes = fn, device, guard_bytes
         self.programs = {}
 
     def _key(self, arrays):
@@ -43,18 +38,14 @@ class Traced:
         key = self._key(arrays)
         if key not in self.programs:
             holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype]) for i, a in enumerate(arrays)]
-            cap = _Capture()
-            prev = getattr(_r._local, "trace", None)
-            _r._local.trace = cap
-            try:
+            with capturing() as cap:
                 out = self.fn(*holders)
-            finally:
-                _r._local.trace = prev
             outs, rebuild = _flatten(out)
             for o in outs:
                 if not isinstance(o, Tensor):
                     raise TypeError(f"traced function returned {type(o)}, expected Tensor")
-            prog = Program(outs, holders, cap.assigns, device=self.device, label=getattr(self.fn, "__name__", "trace"))
+            prog = Program(outs, holders, cap.assigns, device=self.device, label=getattr(self.fn, "__name__", "trace"),
+                           guard_bytes=self.guard_bytes)
             self.programs[key] = (prog, rebuild)
         return self.programs[key], arrays
 
@@ -68,17 +59,19 @@ class Traced:
 
 def _as_input(a, i):
     a = np.asarray(a)
+    # np.ascontiguousarray makes 0-d arrays 1-d: keep the caller's shape
     if a.dtype.kind == "f":
-        return np.ascontiguousarray(a, dtype=np.float32)
+        return np.ascontiguousarray(a, dtype=np.float32).reshape(a.shape)
     if a.dtype.kind in "iub":
         if a.size and (a.min() < -2**31 or a.max() >= 2**31):
             raise ValueError(f"input {i}: integer values outside int32")
-        return np.ascontiguousarray(a, dtype=np.int32)
+        return np.ascontiguousarray(a, dtype=np.int32).reshape(a.shape)
     raise TypeError(f"input {i}: expected a float or integer array, got dtype {a.dtype}")
 
 
-def trace(fn=None, *, device=None):
-    """Decorator: @vkdsl.trace def step(x, y): ...; step(np_x, np_y) -> numpy results."""
+def trace(fn=None, *, device=None, guard_bytes: int = 0):
+    """Decorator: @vkdsl.trace def step(x, y): ...; step(np_x, np_y) -> numpy results.
+    guard_bytes: sentinel words past each output (see Program.guards_intact)."""
     if fn is None:
-        return lambda f: Traced(f, device)
-    return Traced(fn, device)
+        return lambda f: Traced(f, device, guard_bytes)
+    return Traced(fn, device, guard_bytes)

@@ -1,4 +1,5 @@
-"""Check every registered kernel on this device against the float64 goldens.
+"""Check every registered kernel on this device against the float64 goldens: one registry of
+builders, one comparison, one run_case (pytest runs each golden case through it too).
 
 Error measure: NMSE = sum((y - ref)^2) / sum(ref^2) over the finite reference entries
 (ggml's test-backend-ops measure), with a per-op limit and the reason for it. Non-finite
@@ -65,7 +66,8 @@ register("matmul", _matmul, *_ACCUM)
 
 # ---- running ---------------------------------------------------------------------------------
 def compare(y: np.ndarray, ref: np.ndarray) -> tuple[float, str]:
-    """(NMSE over finite reference entries, problem description or '')."""
+    """(NMSE over finite reference entries, problem description or ''). The one comparison of
+    vkdsl: verify rows, op tests and benchmark sanity checks all use it."""
     if y.shape != ref.shape:
         return float("inf"), f"shape {y.shape}, expected {ref.shape}"
     ref = ref.astype(np.float64)          # integer goldens (codes) must not wrap when squared
@@ -80,6 +82,12 @@ def compare(y: np.ndarray, ref: np.ndarray) -> tuple[float, str]:
     den = float(np.sum(ref[fin] ** 2))
     num = float(np.sum((y64[fin] - ref[fin]) ** 2))
     return (num / den if den > 0 else num), ""
+
+
+def nmse(y, ref) -> float:
+    """compare()'s error, inf when the non-finite entries do not match the reference's."""
+    err, note = compare(np.asarray(y), np.asarray(ref))
+    return float("inf") if note else err
 
 
 @dataclass
@@ -125,11 +133,10 @@ def run_case(case, arrays) -> list[Row]:
     return rows
 
 
-def verify(match: str | None = None, version: int = 1, repeat_warm: bool = True):
-    """Returns (rows, timings). Cases whose op has no registered builder are reported as
-    failures: a golden nobody checks is a gap, not a pass."""
-    from .golden import store
-    cases = [(c, store.load_case(c)) for c in store.iter_cases(version, match=match)]
+def verify(cases, repeat_warm: bool = True):
+    """cases: (manifest entry, arrays) pairs, as vkdsl_golden.store loads them. Returns (rows,
+    timings). A case whose op has no registered builder is a failure: a golden nobody checks is a
+    gap, not a pass."""
     t0 = time.perf_counter()
     rows = []
     for case, arrays in cases:

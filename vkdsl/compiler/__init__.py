@@ -18,9 +18,10 @@ KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels")
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
 _backend = ...           # resolved lazily; None when no compiler exists
 _bundle_cache = {}
+_memo: dict[tuple, bytes] = {}   # (source, defines, bundle) -> SPIR-V: re-recording re-reads no disk
 compiled_this_process: dict[str, tuple[str, str]] = {}   # source key -> (name, expanded source)
 
-__all__ = ["compile_glsl", "expand", "CompileError", "NoCompiler", "backend", "write_bundle", "kernel_source"]
+__all__ = ["compile_glsl", "expand", "forget_compiled", "CompileError", "NoCompiler", "backend", "write_bundle", "kernel_source"]
 
 
 def kernel_source(filename: str) -> str:
@@ -28,8 +29,8 @@ def kernel_source(filename: str) -> str:
         return f.read()
 
 
-def expand(source: str, defines: dict | None = None) -> str:
-    """Inline #include "x.glsl" from the kernel folder and put #defines after #version."""
+def expand(source: str, defines: dict | None = None, include_dir: str = KERNEL_DIR) -> str:
+    """Inline #include "x.glsl" from include_dir (the kernel folder) and put #defines after #version."""
     seen = set()
 
     def inline(m):
@@ -37,7 +38,8 @@ def expand(source: str, defines: dict | None = None) -> str:
         if name in seen:
             return ""
         seen.add(name)
-        return _INCLUDE.sub(inline, kernel_source(name))
+        with open(os.path.join(include_dir, name)) as f:
+            return _INCLUDE.sub(inline, f.read())
     src = _INCLUDE.sub(inline, source)
     if defines:
         lines = src.split("\n")
@@ -45,6 +47,11 @@ def expand(source: str, defines: dict | None = None) -> str:
         lines[at:at] = [f"#define {k} {v}" for k, v in sorted(defines.items())]
         src = "\n".join(lines)
     return src
+
+
+def forget_compiled():
+    """Drop the in-memory SPIR-V (tests that inspect the disk cache start from it)."""
+    _memo.clear()
 
 
 def backend():
@@ -76,6 +83,14 @@ def _bundle_lookup(k: str) -> bytes | None:
 
 
 def compile_glsl(name: str, source: str, defines: dict | None = None) -> bytes:
+    """SPIR-V for a GLSL source with defines: from memory, the bundle, the disk cache or the compiler."""
+    mkey = (source, tuple(sorted((defines or {}).items())), os.environ.get("VKDSL_SPIRV_BUNDLE"))
+    if mkey not in _memo:
+        _memo[mkey] = _compile(name, source, defines)
+    return _memo[mkey]
+
+
+def _compile(name: str, source: str, defines: dict | None) -> bytes:
     src = expand(source, defines)
     skey = cache.key(src, "target=" + "vulkan1.2")
     compiled_this_process[skey] = (name, src)

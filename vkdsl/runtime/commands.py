@@ -81,10 +81,10 @@ class Recording:
         vk.vkCmdDispatch(self.cmd, *groups)
         self.n_dispatches += 1
 
-    def copy(self, src, dst, nbytes: int):
+    def copy(self, src, dst, nbytes: int, dst_offset: int = 0):
         self._keep.extend((src, dst))
         self._hazard([src.handle], [dst.handle])
-        vk.vkCmdCopyBuffer(self.cmd, src.handle, dst.handle, 1, [vk.VkBufferCopy(srcOffset=0, dstOffset=0,
+        vk.vkCmdCopyBuffer(self.cmd, src.handle, dst.handle, 1, [vk.VkBufferCopy(srcOffset=0, dstOffset=dst_offset,
                                                                                  size=max(nbytes, 4))])
 
     def finish(self):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import struct
 
 import vulkan as vk
 

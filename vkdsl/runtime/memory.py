@@ -7,6 +7,7 @@ import weakref
 import numpy as np
 import vulkan as vk
 
+from .commands import Recording
 from .errors import VulkanError, vkcall
 
 _USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
@@ -70,16 +71,22 @@ class Buffer:
             raise ValueError(f"writing {raw.nbytes} bytes at offset {offset} into a {self.nbytes}-byte buffer")
         if self.host:
             self.view()[offset:offset + raw.nbytes] = raw
-        else:
-            from .transfer import staged_write
-            staged_write(self, raw, offset)
+            return
+        stage = Buffer(self.device, raw.nbytes, host=True, label="staging")
+        stage.view()[:raw.nbytes] = raw
+        _copy_now(stage, self, raw.nbytes, offset)
+        stage.free()
 
     def read(self, dtype=np.float32, count: int | None = None) -> np.ndarray:
         count = self.nbytes // np.dtype(dtype).itemsize if count is None else count
         if self.host:
             return self.view(dtype, count).copy()
-        from .transfer import staged_read
-        return staged_read(self, count * np.dtype(dtype).itemsize).view(dtype)
+        nbytes = count * np.dtype(dtype).itemsize
+        stage = Buffer(self.device, max(nbytes, 4), host=True, label="staging")
+        _copy_now(self, stage, nbytes)
+        out = stage.view()[:nbytes].copy().view(dtype)
+        stage.free()
+        return out
 
     def free(self):
         self._mapped = None
@@ -87,3 +94,11 @@ class Buffer:
 
     def __repr__(self):
         return f"Buffer({self.label or '?'}, {self.nbytes} B, {'host' if self.host else 'device-local'})"
+
+
+def _copy_now(src: Buffer, dst: Buffer, nbytes: int, dst_offset: int = 0):
+    """A staging copy through the same command path as every recording: record, submit, wait."""
+    rec = Recording(src.device, 1, label="staging")
+    rec.copy(src, dst, nbytes, dst_offset)
+    rec.submit_wait()
+    rec.release()

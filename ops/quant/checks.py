@@ -1,6 +1,6 @@
 """verify rows for quantization, all on the device: int4 and NF4 round trips (the device quantize
 kernel, then the device dequantize kernel, in one recorded program) and the GGUF block
-dequantizers (Q8_0, Q4_0, Q4_1) reading quant.from_gguf arrays.
+dequantizers (Q8_0, Q4_0, Q4_1) reading from_gguf arrays.
 
 The goldens store 4-bit codes two per byte with the even element in the low nibble, int4 codes
 as two's complement; vkdsl keeps GGUF's nibble order (element j and j + 16 of each 32) and int4
@@ -11,65 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 import vkdsl
-from vkdsl import Tensor, quant
-from vkdsl.custom import CustomOp, custom
-from vkdsl.runtime import Buffer
 from vkdsl.verify import register
 
-from .quant import QLinear, packed_arrays, qlinear  # noqa: F401  (used by ops.bench, tests)
-
-
-class QuantRoundTrip(CustomOp):
-    """x (N, K) fp32 -> packed arrays (device buffers owned by this op) -> fp32 (N, K).
-    After a run, packed() reads back what the device quantizer wrote."""
-
-    def __init__(self, fmt: str, N: int, K: int):
-        self.fmt = quant.get_format(fmt).name
-        self.shape = (int(N), int(K))
-        quant._check_shape(quant.get_format(self.fmt), *self.shape)
-        self.name = f"roundtrip_{self.fmt}"
-        self.qbuffers, self.scratch = None, None
-
-    def record(self, rec, out, srcs):
-        dev, (N, K) = rec.device, self.shape
-        qp = quant.plan_quantize(dev, self.fmt, N=N, K=K)
-        if self.qbuffers is None:
-            names = quant.get_format(self.fmt).arrays
-            self.qbuffers = [Buffer(dev, n, label=f"{self.name}.{a}")
-                             for a, n in zip(names, quant.array_nbytes(self.fmt, N, K))]
-            self.scratch = Buffer(dev, qp.scratch_bytes, label=f"{self.name}.scratch") if qp.scratch_bytes else None
-        quant.record_quantize(rec, qp, srcs[0], *self.qbuffers, scratch=self.scratch)
-        quant.record_dequant(rec, quant.plan_dequant(dev, self.fmt, N=N, K=K), out, *self.qbuffers)
-
-    def packed(self) -> quant.QuantizedWeight:
-        if self.qbuffers is None:
-            raise RuntimeError(f"{self.name}: not run yet, nothing was quantized")
-        return quant.QuantizedWeight.from_device(self.fmt, self.shape, self.qbuffers)
-
-
-def roundtrip(x: Tensor, fmt: str) -> tuple[Tensor, QuantRoundTrip]:
-    """(dequantize(quantize(x)) computed on the device, the op holding the packed arrays)."""
-    f = quant.get_format(fmt)
-    if x.ndim != 2 or x.shape[1] % f.group:
-        raise ValueError(f"{f.name} round trip of {x.name or 'a tensor'}: expected a 2-D weight (N, K) with K a "
-                         f"multiple of the group size {f.group}, got shape {x.shape}")
-    op = QuantRoundTrip(fmt, *x.shape)
-    return custom(op, [x], x.shape, requires_grad=False), op
-
-
-class Dequant(CustomOp):
-    """The fp32 weight (N, K) from a packed weight's arrays (int32 leaf tensors)."""
-
-    def __init__(self, fmt: str, N: int, K: int):
-        self.fmt, self.shape, self.name = quant.get_format(fmt).name, (int(N), int(K)), f"dequant_{fmt}"
-
-    def record(self, rec, out, srcs):
-        quant.record_dequant(rec, quant.plan_dequant(rec.device, self.fmt, N=self.shape[0], K=self.shape[1]),
-                             out, *srcs)
-
-
-def dequant(qw: quant.QuantizedWeight) -> Tensor:
-    return custom(Dequant(qw.fmt, *qw.shape), packed_arrays(qw, qw.fmt), qw.shape, requires_grad=False)
+from .formats import NF4_GROUP, QuantizedWeight, from_gguf, unpack_nibbles
+from .linear import dequant
+from .roundtrip import roundtrip
 
 
 # ---- host re-layout of device codes into the golden layout (golden/reference_train.py) --------
@@ -80,10 +26,10 @@ def pair_packed(codes: np.ndarray) -> np.ndarray:
     return (c[:, 0::2] | (c[:, 1::2] << 4)).astype(np.uint8)
 
 
-def codes_of(qw: quant.QuantizedWeight) -> np.ndarray:
+def codes_of(qw: QuantizedWeight) -> np.ndarray:
     """The 4-bit codes per element (N, K): int4 as -8..7, NF4 as codebook indices 0..15."""
     qs = qw.arrays[-1]
-    c = quant._unpack_nibbles(qs).astype(np.int64).reshape(qw.shape)
+    c = unpack_nibbles(qs).astype(np.int64).reshape(qw.shape)
     return c - 8 if qw.fmt == "int4" else c
 
 
@@ -104,14 +50,14 @@ def _int4(i, p):
 
 def _nf4(i, p):
     _check_group(p, "block", 64)
-    _check_group(p, "scale_block", quant.NF4_GROUP)
+    _check_group(p, "scale_block", NF4_GROUP)
     out, op = roundtrip(i[0], "nf4")
     out.numpy()
     qw = op.packed()
     N, K = qw.shape
     nb = N * K // 64
     res = {"out": out, "out_codes": vkdsl.tensor(pair_packed(codes_of(qw)))}
-    if nb <= quant.NF4_GROUP:
+    if nb <= NF4_GROUP:
         # one double-quantization group: vkdsl's per-group offset is the golden's global one
         group = qw.arrays[1].view(np.float32).reshape(-1, 2)
         res.update(out_absmax_q=vkdsl.tensor(qw.arrays[0].view(np.int8)[:nb].astype(np.int32)),
@@ -123,7 +69,7 @@ def _nf4(i, p):
 def _gguf(fmt):
     def build(i, p):
         raw = i[0].numpy().astype(np.uint8)           # the case's bytes (one per int32 element)
-        return dequant(quant.from_gguf(raw, fmt, tuple(p["shape"])))
+        return dequant(from_gguf(raw, fmt, tuple(p["shape"])))
     return build
 
 

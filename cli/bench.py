@@ -1,0 +1,59 @@
+"""vkdsl bench ...: benchmarks run beside a reference in the same process. One table: each row
+names the command, the function that measures, and what it reports."""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from .common import device_option, echo_rows, json_option, open_device
+
+# name -> (module:function, help, extra options)
+BENCHES = {
+    "matmul": ("vkdsl.bench:bench_matmul", "fp32 matmul GFLOP/s on the device and in numpy, and their ratio.",
+               [click.Option(["--sizes"], default="256,512,1024,2048", show_default=True,
+                             help="comma-separated n for n x n x n")]),
+    "replay": ("vkdsl.bench:bench_replay",
+               "A traced 1000-dispatch program replayed vs the same dispatches recorded by hand.", []),
+    "model": ("vkdsl.models.bench:bench_model",
+              "SmolLM2 prompt processing and generation tokens/s beside a numpy float32 forward.",
+              [click.Option(["--model", "model_path"], default=None, metavar="PATH")]),
+    "train": ("vkdsl.train.bench:bench_train",
+              "SmolLM2 training-step speed (SFT at 4 x 256, or DPO at 4 pairs x 64) and device memory.",
+              [click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft", show_default=True)]),
+    "ops": ("vkdsl.ops.bench:bench_ops",
+            "LoRA linear, softmax + CE, Q4_1 matmul and attention, forward and backward, beside numpy.", []),
+    "quant": ("vkdsl.ops.bench:bench_quant",
+              "int4 / NF4: stored bytes vs fp32 and the device round trip's relative Frobenius error.", []),
+}
+
+
+def _arguments(name, kw):
+    if name == "matmul":
+        return (tuple(int(s) for s in kw["sizes"].split(",")),)
+    if name == "model":
+        return (kw["model_path"],)
+    if name == "train":
+        return (kw["objective"],)
+    return ()
+
+
+def _command(name, target, help_, options):
+    def run(device, as_json, **kw):
+        open_device(device, announce=not as_json)
+        module, fn = target.split(":")
+        rows = getattr(importlib.import_module(module), fn)(*_arguments(name, kw))
+        echo_rows(rows if isinstance(rows, list) else [rows], as_json)
+    cmd = json_option(device_option(run))
+    cmd = click.command(name, help=help_)(cmd)
+    cmd.params.extend(options)
+    return cmd
+
+
+@click.group()
+def bench():
+    """Benchmarks run beside a numpy reference in the same process."""
+
+
+for _name, (_target, _help, _options) in BENCHES.items():
+    bench.add_command(_command(_name, _target, _help, _options))

@@ -1,0 +1,45 @@
+"""What every command group shares: the device option, opening the device, golden loading,
+printing result rows, and the model option."""
+from __future__ import annotations
+
+import json
+
+import click
+
+
+def device_option(f):
+    return click.option("--device", "device", default=None, metavar="D",
+                        help="device index or name substring (default: $VKDSL_DEVICE, else the best present)")(f)
+
+
+def json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="one JSON object per row")(f)
+
+
+def open_device(device, announce=True):
+    from vkdsl.runtime import open_device as open_
+    from vkdsl.runtime.errors import DeviceNotFound
+    try:
+        return open_(device, announce=announce)
+    except DeviceNotFound as e:
+        raise click.ClickException(str(e))
+
+
+def golden_cases(match=None, version: int = 1, root=None):
+    """(manifest entry, sha256-checked arrays) for every stored golden case whose name contains match."""
+    from vkdsl_golden import store
+    try:
+        return [(c, store.load_case(c)) for c in store.iter_cases(version, root=root, match=match)]
+    except store.GoldenError as e:
+        raise click.ClickException(str(e))
+
+
+def echo_rows(rows, as_json):
+    for r in rows:
+        click.echo(json.dumps(r, default=str) if as_json else "  ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+
+
+def model_option(f):
+    return click.option("--model", "model_path", default=None, metavar="PATH",
+                        help="GGUF file or Hugging Face folder (default: the installed SmolLM2-135M-Instruct)")(f)

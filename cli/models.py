@@ -1,0 +1,168 @@
+"""Model commands: tokenize, logits, generate, merge, info."""
+from __future__ import annotations
+
+import io
+import json
+
+import click
+import numpy as np
+
+from vkdsl.fileio import atomic_write
+
+from .common import device_option, model_option, open_device
+
+COMMANDS = ("tokenize", "logits", "generate", "merge", "info")
+
+
+def _load_model(model_path, quant="keep", adapter=None, force=False):
+    from vkdsl.models import ModelFileError, load_model_files
+    from vkdsl.models.default import default_model_path
+    from vkdsl.models.llama import Llama
+    try:
+        path = model_path or default_model_path()
+        ck, tok = load_model_files(path)
+        model = Llama(ck, quant=quant)
+        if adapter:
+            from vkdsl.models.adapters import load_adapter
+            load_adapter(model, adapter, tok, force=force, model_path=path)
+    except (ModelFileError, FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e))
+    return model, tok
+
+
+def _prompt_ids(tok, prompt, chat):
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True) \
+        if chat else prompt
+    return tok.encode(text)
+
+
+@click.command()
+@model_option
+@click.argument("text")
+def tokenize(model_path, text):
+    """Print the token ids of TEXT as a JSON list."""
+    from vkdsl.models import load_tokenizer
+    from vkdsl.models.default import default_model_path
+    tok = load_tokenizer(model_path or default_model_path())
+    click.echo(json.dumps(tok.encode(text)))
+
+
+@click.command()
+@device_option
+@model_option
+@click.option("--prompt", required=True)
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="FILE.npy")
+@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@click.option("--adapter", default=None, help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")
+@click.option("--force", is_flag=True, help="apply an adapter whose manifest names another base")
+def logits(device, model_path, prompt, out, chat, adapter, force):
+    """Write the logits of every prompt position (float32, [tokens, vocab]) to FILE.npy."""
+    import vkdsl
+    open_device(device)
+    model, tok = _load_model(model_path, adapter=adapter, force=force)
+    ids = _prompt_ids(tok, prompt, chat)
+    if not ids:
+        raise click.ClickException("the prompt tokenizes to no tokens")
+    if len(ids) > model.cfg.context_length:
+        raise click.ClickException(f"the prompt is {len(ids)} tokens; the model's context is "
+                                   f"{model.cfg.context_length}")
+    lg = vkdsl.trace(lambda x: model.forward(x))(np.array([ids], np.int32))[0]
+    buf = io.BytesIO()
+    np.save(buf, lg.astype(np.float32))
+    atomic_write(out, buf.getvalue())
+    click.echo(f"wrote logits {lg.shape} to {out}")
+
+
+@click.command()
+@device_option
+@model_option
+@click.option("--prompt", required=True)
+@click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--stats", is_flag=True, help="report speed and the weights' device memory")
+@click.option("--adapter", default=None, help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")
+@click.option("--force", is_flag=True, help="apply an adapter whose manifest names another base")
+def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_p, seed, stats, adapter, force):
+    """Generate text (greedy by default) with a KV cache."""
+    from vkdsl.models.generate import Generator
+    open_device(device)
+    model, tok = _load_model(model_path, adapter=adapter, force=force)
+    ids = _prompt_ids(tok, prompt, chat)
+    try:
+        gen = Generator(model, len(ids) + max_new_tokens)
+    except ValueError as e:
+        raise click.ClickException(str(e))
+    if not chat:
+        click.echo(prompt, nl=False)
+    text_so_far = []
+
+    def show(t):
+        text_so_far.append(t)
+        piece = tok.decode(text_so_far)
+        prev = tok.decode(text_so_far[:-1])
+        click.echo(piece[len(prev):], nl=False)
+    stop = {tok.eos_id} if tok.eos_id is not None else set()
+    out, st = gen.generate(ids, max_new_tokens, temperature, top_p, seed, stop=stop, on_token=show)
+    click.echo()
+    if stats:
+        mem = model.device_bytes()
+        click.echo(f"[{st['prompt_tokens']} prompt tokens in {st['prefill_s']:.2f} s (includes first-call "
+                   f"compile); {st['new_tokens']} new tokens at {st['new_tokens'] / max(st['decode_s'], 1e-9):.1f} "
+                   f"tokens/s; weights on device {mem['device_bytes'] / 2**20:.1f} MiB vs "
+                   f"{mem['fp32_bytes'] / 2**20:.1f} MiB as fp32]", err=True)
+
+
+@click.command()
+@device_option
+@model_option
+@click.option("--adapter", required=True, help="vkdsl run folder, PEFT folder or GGUF adapter")
+@click.option("--out", "out", required=True, type=click.Path(), help="merged GGUF file (or folder for HF bases)")
+@click.option("--out-type", type=click.Choice(["f32", "f16", "keep"]), default="f16", show_default=True,
+              help="merged tensors as f32/f16, or re-quantized to the base's block type (loss reported)")
+@click.option("--compare", "compare_text", default="The capital of France is",
+              help="prompt on which merged and separate logits are compared")
+@click.option("--force", is_flag=True, help="merge an adapter whose manifest names another base")
+@click.option("--json", "as_json", is_flag=True)
+def merge(device, model_path, adapter, out, out_type, compare_text, force, as_json):
+    """Write the base with the adapter merged in, and compare its logits with the separate path."""
+    from vkdsl.models import ModelFileError, load_tokenizer
+    from vkdsl.models.default import default_model_path
+    from vkdsl.models.merge import compare_logits, merge as run
+    open_device(device, announce=not as_json)
+    base = model_path or default_model_path()
+    try:
+        report = run(base, adapter, out, out_type=out_type, force=force)
+        ids = load_tokenizer(base).encode(compare_text)
+        report["compare"] = compare_logits(base, adapter, out, [ids], force=force)
+    except (ModelFileError, FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e))
+    if as_json:
+        click.echo(json.dumps(report, default=str))
+        return
+    c = report["compare"]
+    click.echo(f"wrote {out} ({out_type}); merged vs separate on {c['positions']} positions: max |dlogit| "
+               f"{c['max_abs_diff']:.3g} (relative {c['rel_diff']:.2e}), argmax agreement {c['argmax_agreement']:.3f}")
+    for k in ("max_requant_rel_err", "mean_requant_rel_err", "warning"):
+        if k in report:
+            click.echo(f"  {k}: {report[k]}")
+
+
+@click.command()
+@device_option
+@model_option
+@click.option("--json", "as_json", is_flag=True)
+def info(device, model_path, as_json):
+    """Model hyper-parameters and the bytes its weights occupy on the device vs fp32."""
+    open_device(device, announce=not as_json)
+    model, tok = _load_model(model_path)
+    mem = model.device_bytes()
+    row = {"model": model.source, **model.cfg.to_dict(), **mem}
+    if as_json:
+        click.echo(json.dumps(row, default=str))
+    else:
+        for k, v in row.items():
+            click.echo(f"{k:>18}: {v}")
+        click.echo(f"{'ratio':>18}: {mem['device_bytes'] / mem['fp32_bytes']:.3f} of fp32")

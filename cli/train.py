@@ -1,0 +1,137 @@
+"""vkdsl-train (and `vkdsl train`): LoRA SFT (+ target-masked KL to the base), then DPO, with
+preflight, evidence and gates. Every option is generated from train.config.TrainConfig and its
+HELP table, so the command line and the settings cannot drift apart.
+
+    vkdsl-train                       # the bundled default run on SmolLM2-135M-Instruct
+    vkdsl-train --out runs/x --steps 20 --tmkl 0.05 --targets attn_q,attn_v,ffn_up
+    vkdsl-train --config my.toml      # any setting, TOML keys = setting names
+    vkdsl-train --resume runs/x       # continue a stopped run from its last checkpoint
+    vkdsl-train --objective dpo --reference none   # DPO only, reference-free control
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from vkdsl.train import config as C
+
+from .common import golden_cases
+
+TYPES = {bool: None, int: click.INT, float: click.FLOAT, str: click.STRING, list: click.STRING}
+VERIFY_MATCH = ("matmul", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu", "cross", "tmkl", "lora")
+
+
+def _option(name: str) -> click.Option:
+    default = C.default_of(name)
+    dash = name.replace("_", "-")
+    shown = ",".join(map(str, default)) if isinstance(default, list) else default
+    if isinstance(default, str) and default.startswith(str(C.DATA)):
+        shown = f"bundled {Path(default).name}"
+    help_ = f"{C.HELP[name]}  [default: {shown!r}]"
+    if isinstance(default, bool):
+        return click.Option([f"--{dash}/--no-{dash}", name], default=None, help=help_)
+    kind = "comma-separated" if isinstance(default, list) else None
+    return click.Option([f"--{dash}", name], type=TYPES[type(default)], default=None,
+                        metavar=kind.upper().replace("-", "_") if kind else None, help=help_)
+
+
+def _verify(rep):
+    from vkdsl.verify import verify
+    from .verify import load_op_rows
+    load_op_rows()
+    t0 = time.perf_counter()
+    cases = [c for m in VERIFY_MATCH for c in golden_cases(m)]
+    rows = verify(cases, repeat_warm=False)[0]
+    bad = [r for r in rows if not r.passed]
+    rep.say(f"verify: {len(rows) - len(bad)}/{len(rows)} kernel checks pass on this device "
+            f"({time.perf_counter() - t0:.1f}s)")
+    if bad:
+        raise SystemExit("verify failed: " + "; ".join(f"{r.op} {r.name}: {r.note or r.error}" for r in bad[:5]))
+
+
+def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
+    """The run's settings and folder: defaults <- TOML <- flags, or a resumed run's own config <- flags."""
+    if resume:
+        saved = Path(resume) / "config.json"
+        if not saved.is_file():
+            raise C.ConfigError(f"--resume {resume}: no config.json there")
+        return C.load(None, {**json.loads(saved.read_text()), **over}), resume
+    cfg = C.load(config_path, over)
+    cfg.out = cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    return cfg, cfg.out
+
+
+def _run(config_path, resume, over) -> int:
+    from vkdsl.train.progress import Reporter
+    from vkdsl.train.stages import dpo_stage, export
+    from vkdsl.train.trainer import run
+    cfg, out = settings(config_path, resume, over)
+    if cfg.verify:
+        _verify(Reporter(None, cfg.quiet, cfg.jsonl))
+    t0 = time.perf_counter()
+    r = run(cfg, out, resume=resume)
+    dpo_ev = dpo_stage(r) if "dpo" in cfg.objective else None
+    export(r, dpo_ev)
+    r.r.say(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training {r.train_seconds:.0f}s)")
+    return 0 if all(ok for _, ok, _ in r.gates) else 2
+
+
+def _main(config_path, resume, **values):
+    over = {k: v for k, v in values.items() if v is not None}
+    from vkdsl.train.trainer import TrainingStopped
+    try:
+        code = _run(config_path, resume, over)
+    except (C.ConfigError, ValueError, FileNotFoundError, TrainingStopped) as e:
+        click.echo(f"vkdsl-train: error: {e}", err=True)
+        code = 1
+    sys.exit(code)
+
+
+train = click.Command(
+    "train", callback=_main, help=__doc__.split("\n\n")[0].replace("\n", " "),
+    short_help="LoRA SFT (+ TMKL), then DPO, with evidence and gates (the same as vkdsl-train).",
+    params=[click.Option(["--config", "config_path"], type=click.Path(dir_okay=False), default=None,
+                         help="TOML file of settings (keys = setting names)"),
+            click.Option(["--resume"], type=click.Path(file_okay=False), default=None,
+                         help="continue the run in this folder from its last checkpoint")]
+    + [_option(name) for name in C.FIELDS])
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+def report(run_dir):
+    """Rebuild RUN_DIR/report.html (self-contained: inline SVG, no network, no script)."""
+    from vkdsl.train.report import build_report
+    try:
+        click.echo(f"wrote {build_report(run_dir)}")
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e))
+
+
+def parse(argv) -> tuple[str | None, str | None, dict]:
+    """(config path, resume folder, settings given) of a command line, without running it."""
+    ctx = train.make_context("vkdsl-train", list(argv))
+    p = dict(ctx.params)
+    return p.pop("config_path"), p.pop("resume"), {k: v for k, v in p.items() if v is not None}
+
+
+def main(argv=None) -> int:
+    """The vkdsl-train entry point: the exit status (0 all gates pass, 2 a gate failed, 1 an error)."""
+    try:
+        train.main(args=argv, prog_name="vkdsl-train", standalone_mode=False)
+    except SystemExit as e:
+        return int(e.code or 0)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code if e.exit_code != 2 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""vkdsl verify, compile --bundle, demo: the kernels on this device, checked, bundled, shown."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+import numpy as np
+
+from .common import device_option, golden_cases, json_option, open_device
+
+
+def load_op_rows():
+    """Register the op library's verify rows (ops/ sits above the core)."""
+    import vkdsl.ops  # noqa: F401
+
+
+def run_verify(match=None, root=None, repeat_warm=True):
+    """(rows, timings) of every golden case whose name contains match, core and op library."""
+    from vkdsl.verify import verify
+    load_op_rows()
+    return verify(golden_cases(match, root=root), repeat_warm=repeat_warm)
+
+
+@click.command()
+@device_option
+@json_option
+@click.option("--match", default=None, help="only cases whose name contains this text")
+@click.option("--golden", "root", default=None, type=click.Path(file_okay=False),
+              help="folder holding v1/ (default: the goldens installed with vkdsl)")
+def verify(device, as_json, match, root):
+    """Run every built-in kernel on the device against the golden outputs."""
+    open_device(device, announce=not as_json)
+    rows, times = run_verify(match, root)
+    failed = [r for r in rows if not r.passed]
+    if as_json:
+        for r in rows:
+            click.echo(json.dumps(r.as_dict()))
+        click.echo(json.dumps({"summary": True, "rows": len(rows), "failed": len(failed), **times}))
+    else:
+        w = max([len(r.name) for r in rows] + [4])
+        click.echo(f"{'case':<{w}}  {'shape':>14}  {'nmse':>9}  {'limit':>9}  result")
+        for r in rows:
+            click.echo(f"{r.name:<{w}}  {r.shape:>14}  {r.error:9.2e}  {r.limit:9.1e}  "
+                       f"{'pass' if r.passed else 'FAIL ' + r.note}")
+        click.echo(f"{len(rows) - len(failed)}/{len(rows)} rows passed; cold {times['cold_s']:.2f} s "
+                   f"(compiles and builds pipelines), warm {times['warm_s']:.2f} s")
+    sys.exit(1 if failed or not rows else 0)
+
+
+@click.command("compile")
+@device_option
+@click.option("--bundle", "bundle", required=True, type=click.Path(file_okay=False),
+              help="folder to write every built-in kernel's SPIR-V to")
+def compile_(device, bundle):
+    """Write a SPIR-V bundle; run elsewhere with VKDSL_SPIRV_BUNDLE=DIR and no shader compiler."""
+    dev = open_device(device)
+    from vkdsl import compiler, matmul, ops
+    run_verify(repeat_warm=False)          # every generated kernel the verify suite builds
+    _demo(quiet=True)
+    for library in (matmul, ops):          # each library names its own hand-written variants
+        library.builtin_variants(dev)
+    n = compiler.write_bundle(bundle, dict(compiler.compiled_this_process))
+    click.echo(f"wrote {n} kernels to {bundle}; use it with VKDSL_SPIRV_BUNDLE={bundle}")
+
+
+def _demo(quiet=False):
+    """A two-layer MLP with a softmax head, traced once and replayed."""
+    import vkdsl
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((64, 128)).astype(np.float32) / 8
+    w2 = rng.standard_normal((128, 10)).astype(np.float32) / 11
+    W1, W2 = vkdsl.tensor(w1), vkdsl.tensor(w2)
+
+    @vkdsl.trace
+    def mlp(x):
+        h = (x @ W1).maximum(0.0)
+        z = h @ W2
+        e = (z - z.max(axis=-1, keepdim=True)).exp()
+        return e / e.sum(axis=-1, keepdim=True)
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    t = time.perf_counter()
+    p = mlp(x)
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(20):
+        p = mlp(x)
+    replay = (time.perf_counter() - t) / 20
+    z = np.maximum(x.astype(np.float64) @ w1, 0) @ w2
+    ref = np.exp(z - z.max(-1, keepdims=True))
+    ref /= ref.sum(-1, keepdims=True)
+    err = float(np.abs(p - ref).max())
+    prog = mlp.program(x)
+    if not quiet:
+        click.echo(f"demo: traced MLP 256x64 -> 128 -> 10 + softmax: {len(prog.steps)} kernels, "
+                   f"{prog.recording.n_barriers} barriers; first call {first * 1e3:.0f} ms (trace, compile, "
+                   f"record), replay {replay * 1e3:.2f} ms; max |p - numpy float64| = {err:.1e}")
+    if err > 1e-5:
+        raise click.ClickException(f"demo result differs from numpy by {err}")
+
+
+@click.command()
+@device_option
+def demo(device):
+    """Trace a small program once and replay it."""
+    open_device(device)
+    _demo()

@@ -1,0 +1,118 @@
+"""GGUF LoRA adapters for llama.cpp `--lora` (as convert_lora_to_gguf.py writes them), both ways.
+
+general.type = adapter, adapter.type = lora, adapter.lora.alpha; `blk.{i}.attn_q.weight.lora_a`
+numpy (r, in) (GGUF dims [in, r]), `.lora_b` numpy (out, r) (dims [r, out]), rows in GGUF order
+(llama.cpp applies adapters to its permuted weights). llama.cpp scales by alpha / r, so the
+alpha written is s * r (for rsLoRA that is alpha * sqrt(r)); the trainer's own alpha and rsLoRA
+flag are kept under vkdsl.lora.*. The manifest, when given, is embedded as vkdsl.manifest."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from vkdsl.fileio import atomic_path
+from vkdsl.ops.lora import lora_scale
+
+from ..config import LINEARS
+from ..errors import ModelFileError
+from . import common as bundle
+
+
+def save(model, path, *, r: int | None = None, alpha: float | None = None,
+                      rslora: bool = False, base_name: str = "", manifest: dict | None = None,
+                      dtype: str = "f32") -> Path:
+    """Write a llama.cpp LoRA adapter GGUF (atomically). The manifest, when given, is embedded
+    as the string key vkdsl.manifest (a GGUF adapter is a single file)."""
+    from gguf import GGUFType, GGUFWriter, Keys
+    path = Path(path)
+    arrays = bundle.model_adapter_arrays(model)
+    r, alpha, rslora = bundle.infer_hparams(arrays, r, alpha, rslora)
+    scale = lora_scale(alpha, r, rslora)
+    with atomic_path(path) as tmp:
+        w = GGUFWriter(tmp, "llama")
+        w.add_type(GGUFType.ADAPTER)
+        w.add_string(Keys.Adapter.TYPE, "lora")
+        w.add_float32(Keys.Adapter.LORA_ALPHA, float(scale * r))   # llama.cpp: s = alpha / r
+        if base_name or model.source:
+            w.add_string("general.base_model.0.name", base_name or Path(model.source).name)
+        w.add_float32("vkdsl.lora.alpha", alpha)
+        w.add_bool("vkdsl.lora.rslora", rslora)
+        w.add_uint32("vkdsl.lora.r", r)
+        if manifest is not None:
+            w.add_string("vkdsl.manifest", json.dumps(manifest, sort_keys=True, default=str))
+        ft = np.float16 if dtype == "f16" else np.float32
+        for name, (A, B, s) in arrays.items():
+            Bs = B * np.float32(s / scale) if s != scale else B
+            w.add_tensor(f"{name}.weight.lora_a", np.ascontiguousarray(A.T, ft))   # (r, in)
+            w.add_tensor(f"{name}.weight.lora_b", np.ascontiguousarray(Bs.T, ft))  # (out, r)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return path
+
+
+def read(path: Path, cfg) -> "bundle.AdapterWeights":
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:
+        raise ModelFileError(f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from e
+
+    def key(name, default=None):
+        f = reader.fields.get(name)
+        return default if f is None else f.contents()
+
+    if key("general.type") != "adapter" or key("adapter.type") != "lora":
+        raise ModelFileError(f"{path}: not a GGUF LoRA adapter (general.type = "
+                             f"{key('general.type')!r}, adapter.type = {key('adapter.type')!r})")
+    if key("general.architecture") != "llama":
+        raise ModelFileError(f"{path}: general.architecture is {key('general.architecture')!r}, expected 'llama'")
+    alpha_cpp = key("adapter.lora.alpha")
+    if alpha_cpp is None:
+        raise ModelFileError(f"{path}: missing key 'adapter.lora.alpha'")
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        m = re.fullmatch(r"(blk\.(\d+)\.(\w+))\.weight\.lora_([ab])", t.name)
+        if m is None or m.group(3) not in LINEARS:
+            raise ModelFileError(f"{path}: unexpected tensor {t.name!r}")
+        if int(m.group(2)) >= cfg.n_layers:
+            raise ModelFileError(f"{path}: {t.name}: layer {m.group(2)} but the model has "
+                                 f"{cfg.n_layers} layers")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        arr = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), np.float32).reshape(shape)
+        parts.setdefault(m.group(1), {})[m.group(4)] = (t.name, arr)
+    if not parts:
+        raise ModelFileError(f"{path}: no LoRA tensors")
+    modules, ranks = {}, set()
+    for module, ab in sorted(parts.items(), key=lambda kv: bundle.module_order(kv[0])):
+        for x in "ab":
+            if x not in ab:
+                raise ModelFileError(f"{path}: missing tensor {module}.weight.lora_{x}")
+        (ka, a), (kb, b) = ab["a"], ab["b"]
+        r = a.shape[0]
+        d_in, d_out = bundle.module_shape(cfg, module)
+        if a.shape != (r, d_in):
+            raise ModelFileError(f"{path}: {ka}: shape {a.shape}, expected (r, {d_in})")
+        if b.shape != (d_out, r):
+            raise ModelFileError(f"{path}: {kb}: shape {b.shape}, expected ({d_out}, {r})")
+        ranks.add(r)
+        modules[module] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T),
+                           float(alpha_cpp) / r)
+    r = ranks.pop() if len(ranks) == 1 else 0
+    rslora = bool(key("vkdsl.lora.rslora", False))
+    alpha = float(key("vkdsl.lora.alpha", alpha_cpp))
+    manifest = None
+    if key("vkdsl.manifest") is not None:
+        try:
+            manifest = json.loads(key("vkdsl.manifest"))
+        except json.JSONDecodeError as e:
+            raise ModelFileError(f"{path}: vkdsl.manifest is not valid JSON: {e}") from e
+    return bundle.AdapterWeights(modules, "gguf", path, r, alpha, rslora, manifest=manifest,
+                          manifest_path=path if manifest is not None else None)
+
+

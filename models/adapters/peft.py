@@ -1,0 +1,152 @@
+"""Hugging Face PEFT adapters (`adapter_model.safetensors` + `adapter_config.json`), both ways.
+
+lora_A (r, in) = A^T, lora_B (out, r) = B^T with q_proj/k_proj rows put back in HF order
+(n_heads for q, n_kv_heads for k); PEFT computes y = x W^T + s (x A^T) B^T."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from vkdsl.fileio import atomic_write
+from vkdsl.ops.lora import lora_scale
+
+from ..errors import ModelFileError
+from ..manifest import write_manifest
+from ..safetensors_loader import as_f32, gguf_to_hf_rows, hf_to_gguf_rows, read_safetensors, safetensors_bytes
+from . import common as bundle
+
+# GGUF module -> (HF submodule path, PEFT target_modules short name)
+HF_MODULE = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+HF_SHORT = {k: v.split(".")[1] for k, v in HF_MODULE.items()}
+_FROM_HF = {v: k for k, v in HF_MODULE.items()}
+
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.((?:self_attn|mlp)\.\w+)"
+                       r"\.lora_([AB])(?:\.default)?\.weight")
+
+
+
+def _peft_tensors(arrays, cfg, scale: float) -> dict[str, np.ndarray]:
+    """PEFT keys -> arrays; a module whose own scale differs from `scale` has it folded into B."""
+    out = {}
+    for name, (A, B, s) in arrays.items():
+        i, m = int(name.split(".")[1]), name.split(".")[2]
+        Bt = B.T * np.float32(s / scale) if s != scale else B.T      # (out, r)
+        h = bundle.heads(cfg, m)
+        if h is not None:
+            Bt = gguf_to_hf_rows(Bt, h, axis=0)
+        key = f"base_model.model.model.layers.{i}.{HF_MODULE[m]}"
+        out[key + ".lora_A.weight"] = np.ascontiguousarray(A.T, np.float32)     # (r, in)
+        out[key + ".lora_B.weight"] = np.ascontiguousarray(Bt, np.float32)      # (out, r)
+    return out
+
+
+def save(model, folder, *, r: int | None = None, alpha: float | None = None,
+              rslora: bool = False, target_modules=None, base_name: str = "",
+              manifest: dict | None = None) -> Path:
+    """Write adapter_model.safetensors + adapter_config.json (+ vkdsl_manifest.json when
+    `manifest` is given) into `folder`, each file atomically. Returns the folder."""
+    folder = Path(folder)
+    arrays = bundle.model_adapter_arrays(model)
+    r, alpha, rslora = bundle.infer_hparams(arrays, r, alpha, rslora)
+    scale = lora_scale(alpha, r, rslora)
+    present = sorted({HF_SHORT[n.split(".")[2]] for n in arrays})
+    if target_modules is None:
+        target_modules = present
+    else:
+        target_modules = sorted({HF_SHORT.get(t, t) for t in target_modules})
+        missing = set(present) - set(target_modules)
+        if missing:
+            raise ValueError(f"target_modules {target_modules} leave out adapted modules {sorted(missing)}")
+    tensors = _peft_tensors(arrays, model.cfg, scale)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "use_rslora": rslora, "target_modules": target_modules,
+        "base_model_name_or_path": base_name or (Path(model.source).name if model.source else ""),
+        "bias": "none", "lora_dropout": 0.0, "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
+        "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}, "use_dora": False,
+        "revision": None,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / WEIGHTS, safetensors_bytes(tensors, {"format": "pt"}))
+    atomic_write(folder / CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+    if manifest is not None:
+        write_manifest(folder, manifest)
+    return folder
+
+
+def read(folder: Path, cfg) -> "bundle.AdapterWeights":
+    cfg_path, w_path = folder / CONFIG, folder / WEIGHTS
+    if not cfg_path.is_file():
+        raise ModelFileError(f"{folder}: no {CONFIG} (not a PEFT adapter folder)")
+    if not w_path.is_file():
+        if (folder / "adapter_model.bin").is_file():
+            raise ModelFileError(f"{folder}: adapter_model.bin (pickle) is not read; save as safetensors")
+        raise ModelFileError(f"{folder}: no {WEIGHTS}")
+    try:
+        pc = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{cfg_path}: invalid JSON: {e}") from e
+    if str(pc.get("peft_type", "")).upper() != "LORA":
+        raise ModelFileError(f"{cfg_path}: peft_type is {pc.get('peft_type')!r}, expected 'LORA'")
+    for k in ("r", "lora_alpha"):
+        if k not in pc:
+            raise ModelFileError(f"{cfg_path}: missing key {k!r}")
+    for k in ("use_dora", "fan_in_fan_out"):
+        if pc.get(k):
+            raise ModelFileError(f"{cfg_path}: {k} = true is unsupported")
+    for k in ("rank_pattern", "alpha_pattern"):
+        if pc.get(k):
+            raise ModelFileError(f"{cfg_path}: per-module {k} is unsupported")
+    if pc.get("bias", "none") != "none":
+        raise ModelFileError(f"{cfg_path}: bias = {pc['bias']!r} is unsupported (only 'none')")
+    r, alpha, rslora = int(pc["r"]), float(pc["lora_alpha"]), bool(pc.get("use_rslora", False))
+    scale = lora_scale(alpha, r, rslora)
+    raw = read_safetensors(w_path)
+    parts: dict[str, dict[str, np.ndarray]] = {}
+    for key, (dtype, shape, data) in raw.items():
+        m = _PEFT_KEY.fullmatch(key)
+        if m is None or m.group(2) not in _FROM_HF:
+            raise ModelFileError(f"{w_path}: unexpected key {key!r} (not a LoRA A/B weight of "
+                                 f"q/k/v/o/gate/up/down_proj)")
+        i = int(m.group(1))
+        if i >= cfg.n_layers:
+            raise ModelFileError(f"{w_path}: {key}: layer {i} but the model has {cfg.n_layers} layers")
+        if len(shape) != 2:
+            raise ModelFileError(f"{w_path}: {key}: shape {shape} is not a matrix")
+        module = f"blk.{i}.{_FROM_HF[m.group(2)]}"
+        parts.setdefault(module, {})[m.group(3)] = (key, as_f32(dtype, data, shape))
+    if not parts:
+        raise ModelFileError(f"{w_path}: no LoRA weights")
+    modules = {}
+    for module, ab in sorted(parts.items(), key=lambda kv: bundle.module_order(kv[0])):
+        for x in "AB":
+            if x not in ab:
+                other = ab["B" if x == "A" else "A"][0]
+                raise ModelFileError(f"{w_path}: missing key {other[:-len('lora_B.weight')]}"
+                                     f"lora_{x}.weight (its lora_{'B' if x == 'A' else 'A'} is present)")
+        (ka, a), (kb, b) = ab["A"], ab["B"]
+        if a.shape[0] != r:
+            raise ModelFileError(f"{w_path}: {ka}: shape {a.shape}, expected (r={r}, in) per {CONFIG}")
+        A, Bt = a.T, b                                   # A (in, r); Bt (out, r) HF rows
+        d_in, d_out = bundle.module_shape(cfg, module)
+        if A.shape[0] != d_in:
+            raise ModelFileError(f"{w_path}: {ka}: shape {a.shape}, expected ({r}, {d_in})")
+        if Bt.shape != (d_out, r):
+            raise ModelFileError(f"{w_path}: {kb}: shape {b.shape}, expected ({d_out}, {r})")
+        h = bundle.heads(cfg, module)
+        if h is not None:
+            Bt = hf_to_gguf_rows(Bt, h, axis=0)
+        modules[module] = (np.ascontiguousarray(A, np.float32),
+                           np.ascontiguousarray(Bt.T, np.float32), scale)
+    return bundle.AdapterWeights(modules, "peft", folder, r, alpha, rslora, config=pc)
+
+

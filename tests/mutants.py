@@ -1,0 +1,180 @@
+"""The mutation check: plant, one at a time, the defects a reviewer fears most into a temporary
+copy of the tree, run the tests that cover each, and require that at least one of them fails.
+
+    python tests/mutants.py            # every mutant; a table; exit 1 if any survives
+    python tests/mutants.py --list     # the mutants and their tests
+    python tests/mutants.py rslora_scale_over_r int4_scale_over_8     # some of them
+
+The copy is imported instead of the installed tree: a staging folder on PYTHONPATH lays it out
+as the installed packages (vkdsl with ops/, models/, train/, cli/ inside; golden as vkdsl_golden),
+and its sitecustomize drops the editable install's finder. Slow (minutes): not part of the suite, whose
+tests/test_mutants.py runs one cheap mutant through the same machinery."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+INSIDE_VKDSL = ("ops", "models", "train", "cli")
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str            # file, relative to the repository
+    old: str             # text that must occur exactly once
+    new: str
+    tests: tuple         # pytest arguments that must catch it
+    why: str
+
+
+MUTANTS = [
+    Mutant("nf4_codebook_entry", "ops/quant/formats.py", "0.7229568362236023", "0.7329568362236023",
+           ("tests/test_quant_kernels.py", "-k", "nf4"), "one NF4 code's value off by 0.01"),
+    Mutant("int4_scale_over_8", "ops/quant/formats.py", "INV7 = np.float32(1) / np.float32(7)",
+           "INV7 = np.float32(1) / np.float32(8)", ("tests/test_ops_quant.py", "tests/test_quant_kernels.py"),
+           "int4 scale absmax/8 instead of absmax/7"),
+    Mutant("tmkl_keeps_target", "ops/losses.py",
+           "    za = hot.where(-math.inf, adapted_logits)\n    zb = hot.where(-math.inf, base_logits)",
+           "    za = adapted_logits\n    zb = base_logits",
+           ("tests/test_verify_cases.py", "-k", "tmkl"), "TMKL's target left in the renormalized distribution"),
+    Mutant("rslora_scale_over_r", "ops/lora.py", "return alpha / math.sqrt(r) if rslora else alpha / r",
+           "return alpha / r if rslora else alpha / r", ("tests/test_ops.py", "-k", "lora_scale"),
+           "rsLoRA scaled by alpha/r instead of alpha/sqrt(r)"),
+    Mutant("peft_skips_qk_permutation", "models/adapters/peft.py",
+           "            Bt = gguf_to_hf_rows(Bt, h, axis=0)", "            Bt = Bt",
+           ("tests/test_adapters.py", "-k", "peft"), "PEFT export leaves q/k rows in GGUF's RoPE order"),
+    Mutant("ignore_index_counted", "ops/losses.py",
+           "    lp = picked - logsumexp(logits, -1)\n    mask = 1.0 - labels.eq(IGNORE)",
+           "    lp = picked - logsumexp(logits, -1)\n    mask = 1.0 - labels.eq(IGNORE) * 0.0",
+           ("tests/test_verify_cases.py", "-k", "cross_entropy"), "labels -100 supervised like any other"),
+    Mutant("rope_half_split", "ops/nn.py",
+           "    xp = x.reshape(*lead, T, H, D // 2, 2)\n    x0, x1 = xp[..., 0], xp[..., 1]",
+           "    xp = x.reshape(*lead, T, H, 2, D // 2)\n    x0, x1 = xp[..., 0, :], xp[..., 1, :]",
+           ("tests/test_verify_cases.py", "-k", "rope"), "RoPE pairs (i, i + D/2) instead of GGUF's (2i, 2i + 1)"),
+    Mutant("adamw_no_bias_correction", "train/step.py",
+           "        c1 = np.float32(1.0 / (1.0 - self.b1 ** self.t))\n        c2 = np.float32(1.0 / (1.0 - self.b2 ** self.t))",
+           "        c1 = np.float32(1.0)\n        c2 = np.float32(1.0)",
+           ("tests/test_train_objective.py", "-k", "plain_sft"), "AdamW without bias correction"),
+    Mutant("causal_mask_hides_diagonal", "ops/nn.py", "return (q < k).where(-math.inf, 0.0)",
+           "return (q <= k).where(-math.inf, 0.0)", ("tests/test_verify_cases.py", "-k", "attention"),
+           "a query cannot see its own key"),
+    Mutant("reduction_tree_half", "vkdsl/render.py", 'f"  for (uint s = {group // 2}u; s > 0u; s >>= 1) {{\\n"',
+           'f"  for (uint s = {group // 4}u; s > 0u; s >>= 1) {{\\n"', ("tests/test_verify_cases.py", "-k", "sum["),
+           "workgroup reduction tree drops half of the partial sums"),
+    Mutant("q4_1_minus_m", "vkdsl/kernels/quant_q4_1.glsl", "float(nibble(q.qs, e)) + q.dm.y;",
+           "float(nibble(q.qs, e)) - q.dm.y;", ("tests/test_verify_cases.py", "-k", "dequant_q4_1"),
+           "GGUF Q4_1 dequantized as d*q - m"),
+]
+
+
+def make_copy(root: Path) -> tuple[Path, Path]:
+    """(copy of the tree, staging folder laid out as the installed packages)."""
+    tree = root / "tree"
+    shutil.copytree(REPO, tree, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "__pycache__", "*.egg-info",
+                                                              ".pytest_cache"))
+    stage = root / "stage"
+    (stage / "vkdsl").mkdir(parents=True)
+    for entry in (tree / "vkdsl").iterdir():
+        (stage / "vkdsl" / entry.name).symlink_to(entry)
+    for folder in INSIDE_VKDSL:
+        (stage / "vkdsl" / folder).symlink_to(tree / folder)
+    (stage / "vkdsl_golden").symlink_to(tree / "golden")
+    # an editable install's finder maps vkdsl.ops & co. to the original tree whatever the path
+    # says: drop it at start-up, so every vkdsl module comes from the staging folder
+    (stage / "sitecustomize.py").write_text(
+        "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n")
+    return tree, stage
+
+
+def _env(stage: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(stage)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_staging(tree: Path, stage: Path):
+    """The subprocesses must import the copy, not the installed tree."""
+    code = "import vkdsl.ops.quant.formats as f, vkdsl_golden.store as g; print(f.__file__); print(g.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=stage, env=_env(stage), capture_output=True,
+                         text=True, check=True).stdout.split()
+    if not all(p.startswith(str(stage)) for p in out):
+        raise SystemExit(f"mutants: the copy is not what gets imported ({out}); nothing would be measured")
+
+
+def run_tests(tree: Path, stage: Path, tests) -> tuple[int, int, int, float]:
+    """(exit status, tests run, failed, seconds) of pytest on the copy."""
+    t0 = time.perf_counter()
+    # run from the staging folder (python -m puts the working folder first on sys.path), tests by path
+    args = [str(tree / a) if a.startswith("tests/") else a for a in tests]
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tree),
+                        *args], cwd=stage, env=_env(stage), capture_output=True, text=True)
+    tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    count = lambda word: sum(int(n) for n in re.findall(rf"(\d+) {word}", tail))
+    failed, passed = count("failed") + count("error"), count("passed")
+    return p.returncode, failed + passed, failed, time.perf_counter() - t0
+
+
+def apply(tree: Path, m: Mutant) -> str:
+    path = tree / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"mutant {m.name}: {m.path} holds {text.count(m.old)} copies of the text to change "
+                         f"(expected 1): the mutant is stale")
+    path.write_text(text.replace(m.old, m.new))
+    return text
+
+
+def campaign(mutants, out=print) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="vkdsl-mutants-") as tmp:
+        tree, stage = make_copy(Path(tmp))
+        check_staging(tree, stage)
+        for m in mutants:
+            rc, n, _, secs = run_tests(tree, stage, m.tests)          # unmutated: these tests must pass
+            if rc != 0:
+                raise SystemExit(f"mutant {m.name}: its tests fail on the unmutated tree ({' '.join(m.tests)})")
+            original = apply(tree, m)
+            try:
+                rc, n, failed, secs = run_tests(tree, stage, m.tests)
+            finally:
+                (tree / m.path).write_text(original)
+            rows.append({"mutant": m.name, "tests": n, "failed": failed, "killed": rc != 0 and failed >= 1,
+                         "seconds": secs, "why": m.why})
+            out(f"{m.name:28s} {n:5d} {failed:6d} {secs:8.1f}  {'killed' if rows[-1]['killed'] else 'SURVIVED'}")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args(argv)
+    known = {m.name: m for m in MUTANTS}
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:28s} {m.path}: {m.why}  [pytest {' '.join(m.tests)}]")
+        return 0
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        print(f"unknown mutant(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
+        return 2
+    chosen = [known[n] for n in args.names] or MUTANTS
+    print(f"{'mutant':28s} {'tests':>5s} {'failed':>6s} {'seconds':>8s}  result")
+    rows = campaign(chosen)
+    survived = [r["mutant"] for r in rows if not r["killed"]]
+    print(f"{len(rows) - len(survived)}/{len(rows)} mutants killed" + (f"; SURVIVED: {survived}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

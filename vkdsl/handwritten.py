@@ -1,0 +1,103 @@
+"""What every hand-written kernel (a .comp file in kernels/) needs from the core: one cached
+build of a variant from its defines, a push-constant layout declared once and checked against
+its GLSL block, a workgroup grid folded under the device's own limit, and the choice between
+the CPU-driver (lvp) and GPU variants. The matmul here and the op library's kernels use it."""
+from __future__ import annotations
+
+import re
+import struct
+
+from .compiler import compile_glsl, kernel_source
+from .runtime import get_kernel
+
+# lavapipe tile: 16 rows x 32 columns per invocation, 8 invocations (one SIMD program) along the
+# columns. Measured at 1024^3 on 2 cores with this loop structure (best of 3): 16x32 and 32x16
+# ~43 GFLOP/s, 8x16 ~30, 32x32 ~25 (accumulators spill). Columns fastest in the grid: rows fastest
+# measured half the speed.
+LVP_TILE = dict(TM=16, TN=32, LOCAL=(8, 1, 1))
+
+
+def default_variant(dev) -> str:
+    """lvp (register-blocked, no shared memory) on CPU drivers, gpu (shared-memory tiles) elsewhere."""
+    return "lvp" if dev.info.kind == "cpu" else "gpu"
+
+
+def has_int64(dev) -> bool:
+    """shaderInt64, needed by 8-wide loads (enabled at device creation when present)."""
+    return dev.limits.int64
+
+
+def lvp_widths(dev) -> tuple:
+    """Load widths (floats) the lvp kernels can use on this device, widest first."""
+    return (8, 4, 1) if has_int64(dev) else (4, 1)
+
+
+def widest(values, widths) -> int:
+    """The widest load width that divides every value."""
+    return next(w for w in widths if all(v % w == 0 for v in values))
+
+
+def gpu_config(dev) -> dict:
+    """Block tile for the shared-memory kernels: 128x128 (8x8 per thread) where 256 threads and the
+    shared memory fit, else 64x64 (4x4), else 32x32 (4x4, 64 threads)."""
+    lim = dev.limits
+    for bm, bk, t in ((128, 8, 8), (64, 16, 4), (32, 16, 4)):
+        threads = (bm // t) ** 2
+        shared = 2 * bk * (bm + 1) * 4
+        if (threads <= lim.max_workgroup_invocations and bm // t <= min(lim.max_workgroup_size[:2])
+                and shared <= lim.max_shared_memory and threads % max(lim.subgroup_size, 1) == 0):
+            return dict(BM=bm, BN=bm, BK=bk, TM=t, TN=t, LOCAL=(bm // t, bm // t, 1))
+    raise RuntimeError(f"{dev.info.name}: no shared-memory tile fits the device limits")
+
+
+def push_block_size(source: str) -> int:
+    """Bytes of the push-constant block declared in a GLSL source (uint/int/float members only)."""
+    body = re.search(r"layout\(push_constant\)\s*uniform\s+\w+\s*\{(.*?)\}", source, re.S).group(1)
+    n = 0
+    for decl in body.split(";"):
+        m = re.match(r"\s*(uint|int|float)\s+(.+)", decl.strip())
+        if m:
+            n += len(m.group(2).split(","))
+        elif decl.strip():
+            raise ValueError(f"unexpected push-constant member {decl.strip()!r}")
+    return 4 * n
+
+
+class PushLayout:
+    """A push-constant block declared once in GLSL; `fmt` is its struct packing, checked on creation."""
+
+    def __init__(self, fmt: str, glsl_file: str):
+        self.fmt, self.size = fmt, struct.calcsize(fmt)
+        declared = push_block_size(kernel_source(glsl_file))
+        if self.size != declared:
+            raise AssertionError(f"push layout {fmt} packs {self.size} bytes; {glsl_file} declares {declared}")
+
+    def pack(self, *values) -> bytes:
+        return struct.pack(self.fmt, *values)
+
+
+def fold_grid(dev, n_groups: int) -> tuple:
+    """A 1-d workgroup count spread over x and y when it exceeds the device's per-axis limit
+    (kernels rebuild the index as x + y * gl_NumWorkGroups.x)."""
+    if n_groups <= 0:
+        return (0, 0, 0)
+    lim = dev.limits.max_workgroup_count[0]
+    gx = min(n_groups, lim)
+    return (gx, -(-n_groups // gx), 1)
+
+
+def grid_for(dev, items: int, local: int = 64) -> tuple:
+    """Workgroups covering `items` invocations of a 1-d kernel with `local` invocations each."""
+    return fold_grid(dev, -(-items // local))
+
+
+def build_kernel(dev, source: str, name: str, defines: dict, n_buffers: int, push: PushLayout | int,
+                 local) -> object:
+    """A hand-written kernel variant (a .comp file + defines), compiled and built once per device."""
+    push_size = push if isinstance(push, int) else push.size
+    key = ("variant", source, name, tuple(sorted(defines.items())), tuple(local), push_size, n_buffers)
+    if key not in dev.kernels:         # the device's own pipeline table: a closed device takes them along
+        spirv = compile_glsl(name, kernel_source(source), defines)
+        dev.kernels[key] = get_kernel(dev, name, spirv, n_buffers=n_buffers, push_size=push_size,
+                                      local_size=tuple(local))
+    return dev.kernels[key]
