@@ -7,9 +7,7 @@ the update lost to requantization measured). Hugging Face bases give a safetenso
 """
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np

@@ -1,7 +1,4 @@
 """GLSL -> SPIR-V: backends, errors with numbered source, the disk cache, bundles."""
-import os
-import subprocess
-import sys
 
 import pytest
 

@@ -4,12 +4,10 @@ Every form (nn, nt, tn) x both variants (lvp: register-blocked, gpu: shared-memo
 on any device) x odd shapes that take each load width (VEC 8 / 4 / 1) and store width, batched
 with broadcast operands, with sentinels after the output. Run: pytest tests/test_matmul_kernels.py
 """
-import struct
 
 import numpy as np
 import pytest
 
-from vkdsl.compiler import kernel_source
 from vkdsl.handwritten import PushLayout
 from vkdsl.matmul import PUSH, plan_matmul, record_matmul
 from vkdsl.runtime import Buffer, Recording

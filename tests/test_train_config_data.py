@@ -3,7 +3,6 @@ masking of prompt vs completion tokens, truncation, batching, preflight data che
 import json
 
 import click
-import numpy as np
 import pytest
 
 from vkdsl.cli.train import parse

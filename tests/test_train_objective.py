@@ -10,7 +10,7 @@ from vkdsl.models.llama import Llama
 from vkdsl.ops import losses
 from vkdsl.train.config import TrainConfig
 from vkdsl.train.inject import InjectError, inject, params_of
-from vkdsl.train.step import HostAdamW, Stepper, select
+from vkdsl.train.step import Stepper, select
 from fixtures.synthetic import build_tiny
 
 IGN = -100

@@ -1,7 +1,6 @@
 """Whole runs on a tiny model: resume equals an uninterrupted run, a NaN loss stops with the
 step named and the last good checkpoint kept, preflight errors, base/tokenizer identity."""
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -15,15 +13,11 @@ import numpy as np
 import pytest
 
 from vkdsl_golden import generate as G
-from vkdsl_golden import reference as R
-from vkdsl_golden import reference_quant as Q
-from vkdsl_golden import reference_train as T
 from vkdsl_golden.dispatch import BACKWARD_OPS, OPS, evaluate
-from vkdsl_golden.store import (DATA_ROOT, GoldenError, check_all, iter_cases, load_case,
-                                load_manifest, sha256_file)
+from vkdsl_golden.store import (GoldenError, check_all, iter_cases, load_case, load_manifest,
+                                sha256_file)
 
-from golden_common import (GOLDEN_DIR, PHASE1_OPS, PHASE2_OPS, V1, _case, _close, _loss, cases, f64, fd_check,
-                           ids, rng0)
+from golden_common import (GOLDEN_DIR, PHASE1_OPS, PHASE2_OPS, V1, _case, cases, f64)
 
 
 
