@@ -25,7 +25,7 @@ def test_resume_matches_uninterrupted(setup, tmp_path):
     cfg = tiny_cfg(setup, steps=5, checkpoint_every=2, tmkl=0.1, batch_size=2, grad_accum=2)
     full = run(cfg, tmp_path / "full", evidence_at_end=False)
     part = run(cfg, tmp_path / "part", stop_after=3, evidence_at_end=False)     # "killed" after step 3
-    assert json.loads((tmp_path / "part" / "checkpoint.json").read_text())["step"] == 2
+    assert checkpoint.load(tmp_path / "part")[0]["step"] == 2
     resumed = run(cfg, tmp_path / "part", resume=tmp_path / "part", evidence_at_end=False)
     assert resumed.step == full.step == 5
     for a, b in zip(adapter(full), adapter(resumed)):
@@ -39,7 +39,7 @@ def test_nan_loss_stops_and_keeps_checkpoint(setup, tmp_path):
     with pytest.raises(TrainingStopped, match=r"non-finite loss .* at step (\d)") as e:
         run(cfg, tmp_path / "nan", evidence_at_end=False)
     bad = int(str(e.value).split("at step ")[1].split(":")[0])
-    meta = json.loads((tmp_path / "nan" / "checkpoint.json").read_text())
+    meta = checkpoint.load(tmp_path / "nan")[0]
     assert meta["step"] == bad - 1 >= 1
     _, params, _ = checkpoint.load(tmp_path / "nan")
     assert all(np.isfinite(p).all() for p in params)

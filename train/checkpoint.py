@@ -1,14 +1,30 @@
-"""Atomic checkpoints (adapter + optimizer + step + data order) and the base-model identity."""
-from __future__ import annotations
+"""Crash-consistent checkpoints and the base-model identity.
 
-from vkdsl.fileio import atomic_write  # noqa: F401  (train modules import it from here)
+One checkpoint is one file, `checkpoint.npz`, written in one atomic replace: the adapter
+tensors, the optimizer state and a `meta` member (JSON: step, modules, sampler state, identity,
+sha256 of every array). A kill leaves the previous checkpoint or the new one, never a mix.
+Loading verifies the members against their checksums and the step against the optimizer's
+step count; the trainer also replays the data order to the saved step and compares. Anything
+that disagrees is refused with a message naming the file and what disagrees."""
+from __future__ import annotations
 
 import hashlib
 import io
 import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
+
+from vkdsl.fileio import atomic_write
+
+NAME = "checkpoint.npz"
+LEGACY = "checkpoint.json"        # the two-file format of earlier versions: never resumed from
+FORMAT = 2
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, damaged or inconsistent: resuming from it is refused."""
 
 
 def sha256_file(path, chunk=1 << 20) -> str:
@@ -30,24 +46,63 @@ def tokenizer_hash(tok) -> str:
     return h.hexdigest()
 
 
-def save(run_dir, step, names, params, opt_state, sampler_state, identity):
-    arrays = {f"p{i}": p for i, p in enumerate(params)}
+def _digest(a: np.ndarray) -> str:
+    a = np.ascontiguousarray(a)
+    return hashlib.sha256(str((a.dtype.str, a.shape)).encode() + a.tobytes()).hexdigest()
+
+
+def save(run_dir, step, names, params, opt_state, sampler_state, identity) -> Path:
+    arrays = {f"p{i}": np.asarray(p) for i, p in enumerate(params)}
     arrays.update({f"opt_{k}": np.asarray(v) for k, v in opt_state.items()})
+    meta = {"format": FORMAT, "step": step, "modules": names, "sampler": sampler_state, **identity,
+            "sha256": {k: _digest(v) for k, v in arrays.items()}}
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    atomic_write(Path(run_dir) / "checkpoint.npz", buf.getvalue())
-    meta = {"step": step, "modules": names, "sampler": sampler_state, **identity}
-    atomic_write(Path(run_dir) / "checkpoint.json", json.dumps(meta).encode())
+    np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+    return atomic_write(Path(run_dir) / NAME, buf.getvalue())
+
+
+def saved_step(run_dir):
+    """The step of the run folder's checkpoint, or None (for messages; not verified)."""
+    try:
+        return load(run_dir)[0]["step"]
+    except (CheckpointError, FileNotFoundError):
+        return None
 
 
 def load(run_dir):
+    """(meta, params, optimizer state) of a verified checkpoint."""
     run_dir = Path(run_dir)
-    if not (run_dir / "checkpoint.json").is_file():
-        raise FileNotFoundError(f"{run_dir}: no checkpoint.json to resume from")
-    meta = json.loads((run_dir / "checkpoint.json").read_text())
-    with np.load(run_dir / "checkpoint.npz") as z:
-        params = [z[f"p{i}"] for i in range(sum(1 for k in z.files if k.startswith("p")))]
-        opt = {k[4:]: z[k] for k in z.files if k.startswith("opt_")}
+    path = run_dir / NAME
+    if not path.is_file():
+        if (run_dir / LEGACY).is_file():
+            raise CheckpointError(f"{run_dir / LEGACY}: a checkpoint of the old two-file format, which a kill "
+                                  f"can leave half-written; it cannot be resumed safely (start a new run)")
+        raise FileNotFoundError(f"{path}: no checkpoint to resume from")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            members = {k: z[k] for k in z.files}
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+        raise CheckpointError(f"{path}: truncated or corrupt ({type(e).__name__}: {e})") from None
+    try:
+        meta = json.loads(members.pop("meta").tobytes())
+    except (KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: no readable meta member ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format') if isinstance(meta, dict) else '?'}, "
+                              f"expected {FORMAT}")
+    want = meta.get("sha256", {})
+    if set(want) != set(members):
+        raise CheckpointError(f"{path}: members {sorted(members)} do not match the ones its meta lists {sorted(want)}")
+    for k, a in members.items():
+        if _digest(a) != want[k]:
+            raise CheckpointError(f"{path}: member {k} does not match its sha256 (damaged)")
+    n = sum(1 for k in members if k.startswith("p"))
+    params = [members[f"p{i}"] for i in range(n)]
+    opt = {k[4:]: v for k, v in members.items() if k.startswith("opt_")}
+    if n != 2 * len(meta.get("modules", [])):
+        raise CheckpointError(f"{path}: {n} adapter tensors for {len(meta.get('modules', []))} modules")
+    if "t" in opt and int(opt["t"]) != meta["step"]:
+        raise CheckpointError(f"{path}: step {meta['step']} but the optimizer has taken {int(opt['t'])} steps")
     return meta, params, opt
 
 
@@ -55,5 +110,13 @@ def check_identity(meta, identity):
     for k in ("base_sha256", "tokenizer_sha256"):
         if meta.get(k) != identity[k]:
             what = "base model file" if k == "base_sha256" else "tokenizer"
-            raise ValueError(f"refusing to resume: the {what} differs from the run's "
-                             f"({k} {str(meta.get(k))[:12]}... vs {identity[k][:12]}...)")
+            raise CheckpointError(f"refusing to resume: the {what} differs from the run's "
+                                  f"({k} {str(meta.get(k))[:12]}... vs {identity[k][:12]}...)")
+
+
+def remove_stale_temps(run_dir) -> list[Path]:
+    """Temp files (.NAME.*.tmp) that a killed atomic write left behind: removed at the next start."""
+    stale = [p for p in Path(run_dir).rglob(".*.tmp") if p.is_file()]
+    for p in stale:
+        p.unlink()
+    return stale

@@ -1,6 +1,7 @@
 """The training run: load, inject, preflight, train, evidence, gates, checkpoints, resume."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -109,10 +110,26 @@ class Run:
         if self.extra is not None:
             self.r.say("labels are single tokens after the prompt: each held-out row is scored once, "
                        "comparing the label tokens' log-probs at the answer position")
-        self.base = self._scores(adapters_on=False)
+        key, cache = self._base_key(), self.dir / BASE_EVAL
+        self.base = _cached_base(cache, key)
+        if self.base is not None:
+            self.r.say(f"base evaluation reused from {cache.name} (same base, tokenizer, data and settings)")
+        else:
+            self.base = self._scores(adapters_on=False)
+            checkpoint.atomic_write(cache, json.dumps({"key": key, "base": {
+                k: self.base[k] for k in ("heldout_loss", "acc", "k", "n", "pres")}}).encode())
         self.r.say(f"base evaluation in {time.perf_counter() - t0:.1f}s: held-out loss {self.base['heldout_loss']:.4f}"
                    + (f", label accuracy {self.base['acc']:.3f}" if self.base['acc'] is not None else "")
                    + f", preservation loss {self.base['pres']:.4f}")
+
+    def _base_key(self) -> str:
+        """What the base model's evaluation depends on: base, tokenizer, data files and the settings
+        that shape the scored rows."""
+        c = self.cfg
+        parts = {**self.identity, "heldout": checkpoint.sha256_file(c.heldout_file),
+                 "preservation": checkpoint.sha256_file(c.preservation_file) if c.preservation_file else "",
+                 "settings": [c.labels, c.chat_template, c.max_len, c.truncation_side, c.bucket, c.eval_batch]}
+        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     def _single_token_labels(self):
         """Per held-out row [(answer position, label token) for each label] when every label is
@@ -200,9 +217,22 @@ class Run:
     # ---- the loop ----
     def restore(self, run_dir):
         meta, params, opt = checkpoint.load(run_dir)
+        path = Path(run_dir) / checkpoint.NAME
         checkpoint.check_identity(meta, self.identity)
         if meta["modules"] != self.names:
-            raise ValueError("refusing to resume: the checkpoint's adapted modules differ from the config's")
+            raise checkpoint.CheckpointError(f"{path}: adapted modules {meta['modules']} differ from the "
+                                             f"config's {self.names}")
+        for p, a in zip(self.params, params):
+            if p.shape != a.shape:
+                raise checkpoint.CheckpointError(f"{path}: an adapter tensor of shape {a.shape}, the model's is "
+                                                 f"{p.shape}")
+        # the data order is a function of (data_seed, steps taken): replay it and compare
+        replay = Sampler(self.train, self.cfg.batch_size * self.cfg.grad_accum, self.cfg.data_seed)
+        for _ in range(meta["step"]):
+            replay.next()
+        if json.dumps(replay.state(), sort_keys=True) != json.dumps(meta["sampler"], sort_keys=True):
+            raise checkpoint.CheckpointError(f"{path}: its data-order state is not the one of step {meta['step']} "
+                                             f"with data_seed {self.cfg.data_seed} over this training file")
         import vkdsl
         for p, a in zip(self.params, params):
             p.assign(vkdsl.tensor(a))
@@ -211,7 +241,8 @@ class Run:
         self.step, self.first_loss = meta["step"], meta.get("first_loss")
         self.last_loss = meta.get("last_loss")
         self.init_sum = meta.get("init_checksum", self.init_sum)
-        self.r.say(f"resumed from {run_dir} at step {self.step}")
+        self.r.say(f"resumed from {path} at step {self.step}")
+        _mark_resume(self.dir / "metrics.jsonl", self.step)
 
     def save(self):
         ps = [p.numpy() for p in self.params]
@@ -250,8 +281,35 @@ class Run:
         return True
 
     def _ckpt_step(self):
-        p = self.dir / "checkpoint.json"
-        return json.loads(p.read_text())["step"] if p.is_file() else "none"
+        step = checkpoint.saved_step(self.dir)
+        return "none" if step is None else step
+
+
+BASE_EVAL = "base_eval.json"
+
+
+def _cached_base(path: Path, key: str):
+    """The cached base evaluation when it was computed for exactly this key, else None."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return saved.get("base") if isinstance(saved, dict) and saved.get("key") == key else None
+
+
+def _mark_resume(metrics: Path, step: int):
+    """Drop the records of steps after the checkpoint (they run again) and mark the resume."""
+    keep = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue                       # a line cut by the kill
+            if rec.get("step", 0) <= step:
+                keep.append(line)
+    keep.append(json.dumps({"event": "resume", "step": step}))
+    checkpoint.atomic_write(metrics, ("\n".join(keep) + "\n").encode())
 
 
 def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
@@ -259,6 +317,8 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     rep = Reporter(run_dir / "train.log", cfg.quiet, cfg.jsonl)
+    for stale in checkpoint.remove_stale_temps(run_dir):
+        rep.say(f"removed {stale.name}, left by an interrupted write")
     rep.say("configuration:\n" + cfg.pretty())
     if not resume:
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())

@@ -18,18 +18,18 @@ from vkdsl.ops.lora import lora_scale
 
 from ..config import LINEARS
 from ..errors import ModelFileError
-from . import common as bundle
+from . import common
 
 
 def save(model, path, *, r: int | None = None, alpha: float | None = None,
-                      rslora: bool = False, base_name: str = "", manifest: dict | None = None,
-                      dtype: str = "f32") -> Path:
+         rslora: bool = False, base_name: str = "", manifest: dict | None = None,
+         dtype: str = "f32") -> Path:
     """Write a llama.cpp LoRA adapter GGUF (atomically). The manifest, when given, is embedded
     as the string key vkdsl.manifest (a GGUF adapter is a single file)."""
     from gguf import GGUFType, GGUFWriter, Keys
     path = Path(path)
-    arrays = bundle.model_adapter_arrays(model)
-    r, alpha, rslora = bundle.infer_hparams(arrays, r, alpha, rslora)
+    arrays = common.model_adapter_arrays(model)
+    r, alpha, rslora = common.infer_hparams(arrays, r, alpha, rslora)
     scale = lora_scale(alpha, r, rslora)
     with atomic_path(path) as tmp:
         w = GGUFWriter(tmp, "llama")
@@ -55,7 +55,7 @@ def save(model, path, *, r: int | None = None, alpha: float | None = None,
     return path
 
 
-def read(path: Path, cfg) -> "bundle.AdapterWeights":
+def read(path: Path, cfg) -> "common.AdapterWeights":
     from gguf import GGUFReader
     from gguf.quants import dequantize
     try:
@@ -89,13 +89,13 @@ def read(path: Path, cfg) -> "bundle.AdapterWeights":
     if not parts:
         raise ModelFileError(f"{path}: no LoRA tensors")
     modules, ranks = {}, set()
-    for module, ab in sorted(parts.items(), key=lambda kv: bundle.module_order(kv[0])):
+    for module, ab in sorted(parts.items(), key=lambda kv: common.module_order(kv[0])):
         for x in "ab":
             if x not in ab:
                 raise ModelFileError(f"{path}: missing tensor {module}.weight.lora_{x}")
         (ka, a), (kb, b) = ab["a"], ab["b"]
         r = a.shape[0]
-        d_in, d_out = bundle.module_shape(cfg, module)
+        d_in, d_out = common.module_shape(cfg, module)
         if a.shape != (r, d_in):
             raise ModelFileError(f"{path}: {ka}: shape {a.shape}, expected (r, {d_in})")
         if b.shape != (d_out, r):
@@ -112,7 +112,7 @@ def read(path: Path, cfg) -> "bundle.AdapterWeights":
             manifest = json.loads(key("vkdsl.manifest"))
         except json.JSONDecodeError as e:
             raise ModelFileError(f"{path}: vkdsl.manifest is not valid JSON: {e}") from e
-    return bundle.AdapterWeights(modules, "gguf", path, r, alpha, rslora, manifest=manifest,
+    return common.AdapterWeights(modules, "gguf", path, r, alpha, rslora, manifest=manifest,
                           manifest_path=path if manifest is not None else None)
 
 

@@ -16,7 +16,7 @@ from vkdsl.ops.lora import lora_scale
 from ..errors import ModelFileError
 from ..manifest import write_manifest
 from ..safetensors_loader import as_f32, gguf_to_hf_rows, hf_to_gguf_rows, read_safetensors, safetensors_bytes
-from . import common as bundle
+from . import common
 
 # GGUF module -> (HF submodule path, PEFT target_modules short name)
 HF_MODULE = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -31,14 +31,13 @@ _PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.((?:self_attn|
                        r"\.lora_([AB])(?:\.default)?\.weight")
 
 
-
 def _peft_tensors(arrays, cfg, scale: float) -> dict[str, np.ndarray]:
     """PEFT keys -> arrays; a module whose own scale differs from `scale` has it folded into B."""
     out = {}
     for name, (A, B, s) in arrays.items():
         i, m = int(name.split(".")[1]), name.split(".")[2]
         Bt = B.T * np.float32(s / scale) if s != scale else B.T      # (out, r)
-        h = bundle.heads(cfg, m)
+        h = common.heads(cfg, m)
         if h is not None:
             Bt = gguf_to_hf_rows(Bt, h, axis=0)
         key = f"base_model.model.model.layers.{i}.{HF_MODULE[m]}"
@@ -48,13 +47,13 @@ def _peft_tensors(arrays, cfg, scale: float) -> dict[str, np.ndarray]:
 
 
 def save(model, folder, *, r: int | None = None, alpha: float | None = None,
-              rslora: bool = False, target_modules=None, base_name: str = "",
-              manifest: dict | None = None) -> Path:
+         rslora: bool = False, target_modules=None, base_name: str = "",
+         manifest: dict | None = None) -> Path:
     """Write adapter_model.safetensors + adapter_config.json (+ vkdsl_manifest.json when
     `manifest` is given) into `folder`, each file atomically. Returns the folder."""
     folder = Path(folder)
-    arrays = bundle.model_adapter_arrays(model)
-    r, alpha, rslora = bundle.infer_hparams(arrays, r, alpha, rslora)
+    arrays = common.model_adapter_arrays(model)
+    r, alpha, rslora = common.infer_hparams(arrays, r, alpha, rslora)
     scale = lora_scale(alpha, r, rslora)
     present = sorted({HF_SHORT[n.split(".")[2]] for n in arrays})
     if target_modules is None:
@@ -83,7 +82,7 @@ def save(model, folder, *, r: int | None = None, alpha: float | None = None,
     return folder
 
 
-def read(folder: Path, cfg) -> "bundle.AdapterWeights":
+def read(folder: Path, cfg) -> "common.AdapterWeights":
     cfg_path, w_path = folder / CONFIG, folder / WEIGHTS
     if not cfg_path.is_file():
         raise ModelFileError(f"{folder}: no {CONFIG} (not a PEFT adapter folder)")
@@ -127,7 +126,7 @@ def read(folder: Path, cfg) -> "bundle.AdapterWeights":
     if not parts:
         raise ModelFileError(f"{w_path}: no LoRA weights")
     modules = {}
-    for module, ab in sorted(parts.items(), key=lambda kv: bundle.module_order(kv[0])):
+    for module, ab in sorted(parts.items(), key=lambda kv: common.module_order(kv[0])):
         for x in "AB":
             if x not in ab:
                 other = ab["B" if x == "A" else "A"][0]
@@ -137,16 +136,16 @@ def read(folder: Path, cfg) -> "bundle.AdapterWeights":
         if a.shape[0] != r:
             raise ModelFileError(f"{w_path}: {ka}: shape {a.shape}, expected (r={r}, in) per {CONFIG}")
         A, Bt = a.T, b                                   # A (in, r); Bt (out, r) HF rows
-        d_in, d_out = bundle.module_shape(cfg, module)
+        d_in, d_out = common.module_shape(cfg, module)
         if A.shape[0] != d_in:
             raise ModelFileError(f"{w_path}: {ka}: shape {a.shape}, expected ({r}, {d_in})")
         if Bt.shape != (d_out, r):
             raise ModelFileError(f"{w_path}: {kb}: shape {b.shape}, expected ({d_out}, {r})")
-        h = bundle.heads(cfg, module)
+        h = common.heads(cfg, module)
         if h is not None:
             Bt = hf_to_gguf_rows(Bt, h, axis=0)
         modules[module] = (np.ascontiguousarray(A, np.float32),
                            np.ascontiguousarray(Bt.T, np.float32), scale)
-    return bundle.AdapterWeights(modules, "peft", folder, r, alpha, rslora, config=pc)
+    return common.AdapterWeights(modules, "peft", folder, r, alpha, rslora, config=pc)
 
 
