@@ -163,10 +163,10 @@ def manifest_mismatches(manifest: dict, model_path: str | os.PathLike,
 
 
 def check_manifest(manifest: dict, model_path: str | os.PathLike, tokenizer=None,
-                   force: bool = False, source: str | os.PathLike = "adapter") -> list[str]:
-    """Raise ManifestMismatch naming each mismatch; with force=True print a loud warning to
-    stderr instead and return the mismatches."""
-    bad = manifest_mismatches(manifest, model_path, tokenizer)
+                   force: bool = False, source: str | os.PathLike = "adapter", more=()) -> list[str]:
+    """Raise ManifestMismatch naming each mismatch (with `more`: the adapter's own, e.g. a changed
+    alpha or weight file); with force=True print a loud warning to stderr instead and return them."""
+    bad = manifest_mismatches(manifest, model_path, tokenizer) + list(more)
     if bad and not force:
         raise ManifestMismatch(f"{source}: manifest does not match the model it is applied to:\n  "
                                + "\n  ".join(bad) + "\n(use --force / force=True to apply anyway)")

@@ -14,7 +14,7 @@ import numpy as np
 
 from vkdsl.fileio import atomic_path, atomic_write
 
-from .adapters import heads, read_adapter
+from .adapters import adapter_mismatches, heads, read_adapter
 from .errors import ModelFileError
 from .manifest import check_manifest
 
@@ -38,7 +38,7 @@ def merge(model_path, adapter_path, out_path, out_type: str = "f32", force: bool
     forced = []
     if aw.manifest is not None:
         forced = check_manifest(aw.manifest, model_path, tokenizer or tok, force=force,
-                                source=aw.manifest_path or aw.source)
+                                source=aw.manifest_path or aw.source, more=adapter_mismatches(aw))
     report = {"base": str(model_path), "adapter": str(aw.source), "adapter_format": aw.format,
               "out": str(out_path), "out_type": out_type, "merged_modules": len(aw.modules),
               "r": aw.r, "alpha": aw.alpha, "rslora": aw.rslora, "manifest_mismatches": forced,

@@ -218,8 +218,8 @@ def test_exports_load_back_with_identical_logits(tiny, adapted, which, tmp_path)
                                   tokenizer=adapted["tok"], r=R, alpha=ALPHA, rslora=RSLORA,
                                   extra={"seeds": {"adapter": 0}})
         assert (path / "adapter" / "vkdsl_manifest.json").is_file() and out["gguf"].is_file()
-        assert GGUFReader(out["gguf"]).fields["vkdsl.manifest"].contents() == \
-            json.dumps(out["manifest"], sort_keys=True)
+        embedded = json.loads(GGUFReader(out["gguf"]).fields["vkdsl.manifest"].contents())
+        assert len(embedded.pop("weights_sha256")) == 64 and embedded == out["manifest"]
     model = Llama(adapted["ck"])
     aw = load_adapter(model, path, adapted["tok"])
     assert set(model.lora) == set(adapted["model"].lora)
@@ -355,3 +355,55 @@ def test_bad_peft_folders_give_clear_errors(adapted, tmp_path, case):
         load_adapter(Llama(adapted["ck"]), folder, adapted["tok"])
     for s in expect:
         assert s in str(e.value), (s, str(e.value))
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda cfg: cfg.update(lora_alpha=16), "adapter alpha is 16.0, the manifest records 8.0"),
+    (lambda cfg: cfg.update(use_rslora=False), "adapter rslora is False"),
+], ids=["alpha", "rslora"])
+def test_an_edited_peft_config_is_refused(adapted, tmp_path, edit, what):
+    folder = tmp_path / "peft"
+    shutil.copytree(adapted["peft"], folder)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    edit(cfg)
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    model = Llama(adapted["ck"])
+    with pytest.raises(ManifestMismatch, match=what):
+        load_adapter(model, folder, adapted["tok"])
+    assert model.lora == {}
+
+
+def test_changed_weight_bytes_are_refused_and_force_is_loud(adapted, tmp_path, capsys):
+    folder = tmp_path / "peft"
+    shutil.copytree(adapted["peft"], folder)
+    w = folder / "adapter_model.safetensors"
+    data = bytearray(w.read_bytes())
+    for i in range(len(data) - 50, len(data)):      # 50 bytes of the last tensor's data
+        data[i] ^= 0x10
+    w.write_bytes(bytes(data))
+    model = Llama(adapted["ck"])
+    with pytest.raises(ManifestMismatch, match=r"weights' sha256 .*\(changed after saving\)"):
+        load_adapter(model, folder, adapted["tok"])
+    load_adapter(model, folder, adapted["tok"], force=True)
+    assert "WARNING" in capsys.readouterr().err and len(model.lora) == 14
+
+
+def test_changed_gguf_adapter_tensors_are_refused(adapted, tmp_path):
+    path = tmp_path / "adapter.gguf"
+    data = bytearray(adapted["gguf"].read_bytes())
+    data[-8] ^= 0x01                               # inside the last tensor's data
+    path.write_bytes(bytes(data))
+    with pytest.raises(ManifestMismatch, match="weights' sha256"):
+        load_adapter(Llama(adapted["ck"]), path, adapted["tok"])
+
+
+def test_a_foreign_peft_adapter_without_manifest_loads(adapted, tmp_path):
+    folder = tmp_path / "foreign"
+    shutil.copytree(adapted["peft"], folder)
+    (folder / "vkdsl_manifest.json").unlink()
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = 16                         # whatever the foreign tool chose: nothing to check against
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    model = Llama(adapted["ck"])
+    aw = load_adapter(model, folder, adapted["tok"])
+    assert aw.manifest is None and len(model.lora) == 14 and aw.alpha == 16.0

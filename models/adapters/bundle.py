@@ -10,7 +10,7 @@ from vkdsl.ops.lora import LoRA
 from ..errors import ModelFileError
 from ..manifest import MANIFEST_NAME, build_manifest, check_manifest, read_manifest
 from . import gguf_lora, peft
-from .common import AdapterWeights, infer_hparams, model_adapter_arrays
+from .common import AdapterWeights, adapter_mismatches, infer_hparams, model_adapter_arrays
 
 
 def resolve_adapter_path(path) -> Path:
@@ -58,7 +58,8 @@ def load_adapter(model, path, tokenizer=None, force: bool = False, model_path=No
     aw = read_adapter(path, model.cfg)
     base = model_path if model_path is not None else model.source
     if aw.manifest is not None and base is not None:
-        check_manifest(aw.manifest, base, tokenizer, force=force, source=aw.manifest_path or aw.source)
+        check_manifest(aw.manifest, base, tokenizer, force=force, source=aw.manifest_path or aw.source,
+                       more=adapter_mismatches(aw))
     lora = {}
     for name, (A, B, s) in aw.modules.items():
         lora[name] = LoRA(vkdsl.tensor(A, requires_grad=trainable, name=f"{name}.lora_A"),

@@ -2,6 +2,7 @@
 A (in, r) and B (r, out) with out in the GGUF Q/K row order, y = x W^T + s (x A) B."""
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ class AdapterWeights:
     manifest: dict | None = None
     manifest_path: Path | None = None
     config: dict = field(default_factory=dict)
+    weights_sha256: str | None = None  # PEFT: the weight file's; GGUF: its tensors' (tensors_sha256)
 
     @property
     def target_modules(self) -> list[str]:
@@ -76,3 +78,35 @@ def infer_hparams(arrays, r, alpha, rslora):
         s = next(iter(scales))
         alpha = s * math.sqrt(rank) if rslora else s * rank
     return rank, float(alpha), bool(rslora)
+
+
+def tensors_sha256(named_arrays) -> str:
+    """sha256 over (name, bytes) of each tensor in order: a GGUF adapter's weights, which cannot
+    hold their own file's checksum."""
+    h = hashlib.sha256()
+    for name, a in named_arrays:
+        h.update(name.encode() + b"\0" + np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def adapter_mismatches(aw: AdapterWeights) -> list[str]:
+    """How an adapter on disk differs from what its manifest recorded: hyper-parameters, modules,
+    scale, weight checksum. Empty when it matches (or there is no manifest)."""
+    m = aw.manifest
+    if m is None:
+        return []
+    out, rec = [], m.get("adapter") or {}
+    for key, got in (("r", aw.r), ("alpha", aw.alpha), ("rslora", aw.rslora)):
+        if key in rec and rec[key] != got and not (key == "alpha" and math.isclose(float(rec[key]), got)):
+            out.append(f"adapter {key} is {got!r}, the manifest records {rec[key]!r}")
+    if "target_modules" in rec and sorted(rec["target_modules"]) != aw.target_modules:
+        out.append(f"adapted modules are {aw.target_modules}, the manifest records {sorted(rec['target_modules'])}")
+    scales = {s for _, _, s in aw.modules.values()}
+    if "scaling" in rec and any(not math.isclose(s, rec["scaling"], rel_tol=1e-6) for s in scales):
+        out.append(f"scale is {sorted(scales)}, the manifest records {rec['scaling']}")
+    want = m.get("weights_sha256")
+    if want and aw.weights_sha256 != want:
+        out.append(f"the weights' sha256 is {str(aw.weights_sha256)[:16]}…, the manifest records {want[:16]}… "
+                   f"(changed after saving)")
+    return out
+

@@ -41,13 +41,17 @@ def save(model, path, *, r: int | None = None, alpha: float | None = None,
         w.add_float32("vkdsl.lora.alpha", alpha)
         w.add_bool("vkdsl.lora.rslora", rslora)
         w.add_uint32("vkdsl.lora.r", r)
-        if manifest is not None:
-            w.add_string("vkdsl.manifest", json.dumps(manifest, sort_keys=True, default=str))
         ft = np.float16 if dtype == "f16" else np.float32
+        tensors = []
         for name, (A, B, s) in arrays.items():
             Bs = B * np.float32(s / scale) if s != scale else B
-            w.add_tensor(f"{name}.weight.lora_a", np.ascontiguousarray(A.T, ft))   # (r, in)
-            w.add_tensor(f"{name}.weight.lora_b", np.ascontiguousarray(Bs.T, ft))  # (out, r)
+            tensors += [(f"{name}.weight.lora_a", np.ascontiguousarray(A.T, ft)),       # (r, in)
+                        (f"{name}.weight.lora_b", np.ascontiguousarray(Bs.T, ft))]      # (out, r)
+        if manifest is not None:
+            manifest = {**manifest, "weights_sha256": common.tensors_sha256(tensors)}
+            w.add_string("vkdsl.manifest", json.dumps(manifest, sort_keys=True, default=str))
+        for name, a in tensors:
+            w.add_tensor(name, a)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -76,7 +80,9 @@ def read(path: Path, cfg) -> "common.AdapterWeights":
     if alpha_cpp is None:
         raise ModelFileError(f"{path}: missing key 'adapter.lora.alpha'")
     parts: dict[str, dict[str, np.ndarray]] = {}
+    raw = []
     for t in reader.tensors:
+        raw.append((t.name, np.asarray(t.data)))
         m = re.fullmatch(r"(blk\.(\d+)\.(\w+))\.weight\.lora_([ab])", t.name)
         if m is None or m.group(3) not in LINEARS:
             raise ModelFileError(f"{path}: unexpected tensor {t.name!r}")
@@ -112,7 +118,8 @@ def read(path: Path, cfg) -> "common.AdapterWeights":
             manifest = json.loads(key("vkdsl.manifest"))
         except json.JSONDecodeError as e:
             raise ModelFileError(f"{path}: vkdsl.manifest is not valid JSON: {e}") from e
-    return common.AdapterWeights(modules, "gguf", path, r, alpha, rslora, manifest=manifest,
+    return common.AdapterWeights(modules, "gguf", path, r, alpha, rslora, weights_sha256=common.tensors_sha256(raw),
+                                 manifest=manifest,
                           manifest_path=path if manifest is not None else None)
 
 

@@ -4,6 +4,7 @@ lora_A (r, in) = A^T, lora_B (out, r) = B^T with q_proj/k_proj rows put back in 
 (n_heads for q, n_kv_heads for k); PEFT computes y = x W^T + s (x A^T) B^T."""
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ from vkdsl.fileio import atomic_write
 from vkdsl.ops.lora import lora_scale
 
 from ..errors import ModelFileError
-from ..manifest import write_manifest
+from ..manifest import file_sha256, write_manifest
 from ..safetensors_loader import as_f32, gguf_to_hf_rows, hf_to_gguf_rows, read_safetensors, safetensors_bytes
 from . import common
 
@@ -75,10 +76,11 @@ def save(model, folder, *, r: int | None = None, alpha: float | None = None,
         "revision": None,
     }
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(folder / WEIGHTS, safetensors_bytes(tensors, {"format": "pt"}))
+    weights = safetensors_bytes(tensors, {"format": "pt"})
+    atomic_write(folder / WEIGHTS, weights)
     atomic_write(folder / CONFIG, (json.dumps(config, indent=2) + "\n").encode())
     if manifest is not None:
-        write_manifest(folder, manifest)
+        write_manifest(folder, {**manifest, "weights_sha256": hashlib.sha256(weights).hexdigest()})
     return folder
 
 
@@ -146,6 +148,7 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
             Bt = hf_to_gguf_rows(Bt, h, axis=0)
         modules[module] = (np.ascontiguousarray(A, np.float32),
                            np.ascontiguousarray(Bt.T, np.float32), scale)
-    return common.AdapterWeights(modules, "peft", folder, r, alpha, rslora, config=pc)
+    return common.AdapterWeights(modules, "peft", folder, r, alpha, rslora, config=pc,
+                                 weights_sha256=file_sha256(w_path))
 
 
