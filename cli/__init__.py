@@ -8,9 +8,10 @@ from . import devices as _devices
 from . import models as _models
 from . import train as _train
 from . import verify as _verify
+from .common import Commands
 
 
-@click.group()
+@click.group(cls=Commands)
 @click.version_option(package_name="vkdsl")
 def main():
     """vkdsl: a traced tensor DSL on Vulkan, with its kernels verified on your device."""

@@ -6,7 +6,7 @@ import importlib
 
 import click
 
-from .common import device_option, echo_rows, json_option, open_device
+from .common import Commands, device_option, echo_rows, json_option, open_device
 
 # name -> (module:function, help, extra options)
 BENCHES = {
@@ -50,7 +50,7 @@ def _command(name, target, help_, options):
     return cmd
 
 
-@click.group()
+@click.group(cls=Commands)
 def bench():
     """Benchmarks run beside a numpy reference in the same process."""
 

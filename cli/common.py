@@ -3,8 +3,33 @@ printing result rows, and the model option."""
 from __future__ import annotations
 
 import json
+import os
 
 import click
+
+from vkdsl.compiler.errors import NoCompiler
+from vkdsl.runtime.errors import DeviceNotFound, VulkanError
+
+# What a user can cause (bad files, settings, devices, a missing compiler): one line, exit 1.
+# Anything else is a bug in vkdsl and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, DeviceNotFound, VulkanError, NoCompiler)
+
+
+def user_error_line(e: BaseException) -> str:
+    return str(e) or type(e).__name__
+
+
+class Commands(click.Group):
+    """A command group whose commands turn user errors into one-line messages (VKDSL_DEBUG=1 keeps
+    the traceback)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as e:
+            if os.environ.get("VKDSL_DEBUG") == "1":
+                raise
+            raise click.ClickException(user_error_line(e)) from None
 
 
 def device_option(f):

@@ -11,6 +11,7 @@ HELP table, so the command line and the settings cannot drift apart.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import click
 
 from vkdsl.train import config as C
 
-from .common import golden_cases
+from .common import USER_ERRORS, golden_cases, open_device, user_error_line
 
 TYPES = {bool: None, int: click.INT, float: click.FLOAT, str: click.STRING, list: click.STRING}
 VERIFY_MATCH = ("matmul", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu", "cross", "tmkl", "lora")
@@ -70,6 +71,7 @@ def _run(config_path, resume, over) -> int:
     from vkdsl.train.stages import dpo_stage, export
     from vkdsl.train.trainer import run
     cfg, out = settings(config_path, resume, over)
+    open_device(None)                       # a device that is not there fails before the model loads
     if cfg.verify:
         _verify(Reporter(None, cfg.quiet, cfg.jsonl))
     t0 = time.perf_counter()
@@ -85,8 +87,11 @@ def _main(config_path, resume, **values):
     from vkdsl.train.trainer import TrainingStopped
     try:
         code = _run(config_path, resume, over)
-    except (C.ConfigError, ValueError, FileNotFoundError, TrainingStopped) as e:
-        click.echo(f"vkdsl-train: error: {e}", err=True)
+    except (*USER_ERRORS, TrainingStopped, click.ClickException) as e:
+        if os.environ.get("VKDSL_DEBUG") == "1":
+            raise
+        msg = e.format_message() if isinstance(e, click.ClickException) else user_error_line(e)
+        click.echo(f"vkdsl-train: error: {msg}", err=True)
         code = 1
     sys.exit(code)
 
@@ -119,8 +124,23 @@ def parse(argv) -> tuple[str | None, str | None, dict]:
     return p.pop("config_path"), p.pop("resume"), {k: v for k, v in p.items() if v is not None}
 
 
+def _boolean_with_a_value(argv):
+    """`--verify false`: a boolean given a value the way other settings are. Say how to write it."""
+    flags = {f"--{n.replace('_', '-')}" for n in C.FIELDS if isinstance(C.default_of(n), bool)}
+    for a, b in zip(argv, argv[1:]):
+        if a in flags and b.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            no = "--no-" + a[2:]
+            return f"{a} takes no value: write {a} to turn it on or {no} to turn it off (not {a} {b})"
+    return None
+
+
 def main(argv=None) -> int:
     """The vkdsl-train entry point: the exit status (0 all gates pass, 2 a gate failed, 1 an error)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    hint = _boolean_with_a_value(argv)
+    if hint:
+        click.echo(f"vkdsl-train: error: {hint}", err=True)
+        return 1
     try:
         train.main(args=argv, prog_name="vkdsl-train", standalone_mode=False)
     except SystemExit as e:

@@ -19,11 +19,17 @@ from .tokenizer import Tokenizer, load_tokenizer
 
 def load_checkpoint(path: str | os.PathLike) -> LlamaCheckpoint:
     """A .gguf file or a Hugging Face folder (config.json + safetensors)."""
+    if Path(path).is_file() and Path(path).suffix == ".safetensors":
+        raise ModelFileError(f"{path}: a bare .safetensors file holds weights only; pass the Hugging Face folder "
+                             f"that holds it with config.json")
     return load_hf(path) if Path(path).is_dir() else load_gguf(path)
 
 
 def load_model_files(path: str | os.PathLike) -> tuple[LlamaCheckpoint, Tokenizer]:
     """Checkpoint and tokenizer, reading a GGUF file once."""
+    if Path(path).is_file() and Path(path).suffix == ".safetensors":
+        raise ModelFileError(f"{path}: a bare .safetensors file holds weights only; pass the Hugging Face folder "
+                             f"that holds it with config.json and tokenizer.json")
     if Path(path).is_dir():
         ck = load_hf(path)
         return ck, load_tokenizer(path, expected_vocab=ck.config.vocab_size)

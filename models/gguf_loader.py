@@ -70,7 +70,10 @@ def read_key(reader: GGUFReader, key: str, default: Any = ..., *, path: Path | s
         if default is ...:
             raise ModelFileError(f"{path}: missing GGUF metadata key {key!r}")
         return default
-    return field.contents()
+    try:
+        return field.contents()
+    except (UnicodeDecodeError, ValueError, IndexError) as e:     # a damaged string or array
+        raise ModelFileError(f"{path}: GGUF metadata key {key!r} is damaged ({type(e).__name__}: {e})") from None
 
 
 def _f32(value: float) -> float:

@@ -139,6 +139,7 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
         raise ModelFileError(f"{path}: model_type is {cfg.get('model_type')!r}, expected 'llama'")
     if cfg.get("rope_scaling"):
         raise ModelFileError(f"{path}: rope_scaling = {cfg['rope_scaling']!r}; unsupported")
+    rope_base = _rope_theta(cfg, path)
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise ModelFileError(f"{path}: {key} = true; unsupported (plain Llama has no biases)")
@@ -161,13 +162,37 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=int(cfg.get("head_dim") or dim // n_heads),
             ffn_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
-            rope_base=float(cfg.get("rope_theta", 10000.0)), norm_eps=float(cfg["rms_norm_eps"]),
+            rope_base=rope_base, norm_eps=float(cfg["rms_norm_eps"]),
             context_length=int(cfg.get("max_position_embeddings", 2048)),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_id=first_id("bos_token_id"), eos_id=first_id("eos_token_id"),
             pad_id=first_id("pad_token_id"))
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
+
+
+def _rope_theta(cfg: dict, path: Path) -> float:
+    """RoPE base from either form transformers writes: 4.x `rope_theta` at the top level, 5.x
+    `rope_parameters` {rope_theta, rope_type}. Anything else there changes the computation and is
+    refused by name, never replaced by a default."""
+    params = cfg.get("rope_parameters")
+    top = cfg.get("rope_theta")
+    if params is None:
+        return float(top if top is not None else 10000.0)
+    if not isinstance(params, dict):
+        raise ModelFileError(f"{path}: rope_parameters = {params!r}, expected an object")
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise ModelFileError(f"{path}: rope_parameters.rope_type = {kind!r}; only 'default' RoPE is supported")
+    unknown = sorted(set(params) - {"rope_theta", "rope_type"})
+    if unknown:
+        raise ModelFileError(f"{path}: rope_parameters has {unknown}, which vkdsl does not implement")
+    theta = params.get("rope_theta", top)
+    if theta is None:
+        raise ModelFileError(f"{path}: rope_parameters has no rope_theta")
+    if top is not None and float(top) != float(theta):
+        raise ModelFileError(f"{path}: rope_theta {top} and rope_parameters.rope_theta {theta} disagree")
+    return float(theta)
 
 
 def _weight_files(folder: Path) -> list[Path]:

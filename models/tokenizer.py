@@ -127,7 +127,10 @@ class Tokenizer:
                 expected_vocab = None if embd is None else int(embd.shape[-1])
         _check_vocab(len(tokens), expected_vocab, path)
 
-        engine = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        try:
+            engine = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        except Exception as e:           # the tokenizers library raises a bare Exception on bad merges
+            raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
         engine.pre_tokenizer = _byte_level(_SPLIT_DIGITS[pre])
         engine.decoder = decoders.ByteLevel()
         engine.add_special_tokens([AddedToken(t, special=True, normalized=False)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vkdsl.models import (LlamaConfig, ModelFileError, Tokenizer, load_checkpoint, load_gguf,
-                          load_hf)
+                          load_hf, load_model_files)
 from fixtures.synthetic import (TINY_CONFIG, TinyVocab, build_tiny, random_hf_weights,
                                     tiny_bpe, write_gguf)
 from vkdsl.models.safetensors_loader import hf_name_to_gguf
@@ -172,3 +172,42 @@ def test_chat_template_is_sandboxed(tiny):
     tok.chat_template = "{{ raise_exception('no system role') }}"
     with pytest.raises(ModelFileError, match="no system role"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_hf_rope_parameters_of_transformers_5(tmp_path, tiny):
+    # transformers 5.x keeps RoPE settings under rope_parameters: read it, never default silently
+    folder = _hf_copy(tiny, tmp_path)
+    cfg = json.loads((folder / "config.json").read_text())
+    theta = cfg.pop("rope_theta", 10000.0)
+    cfg["rope_parameters"] = {"rope_theta": 100000.0, "rope_type": "default"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert load_hf(folder).config.rope_base == 100000.0 != theta
+    cfg["rope_parameters"] = {"rope_theta": 100000.0, "rope_type": "yarn", "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFileError, match=r"rope_parameters\.rope_type = 'yarn'"):
+        load_hf(folder)
+    cfg["rope_parameters"] = {"rope_theta": 100000.0, "partial_rotary_factor": 0.5}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFileError, match=r"partial_rotary_factor"):
+        load_hf(folder)
+
+
+def test_a_bare_safetensors_file_is_not_called_a_bad_gguf(tiny):
+    with pytest.raises(ModelFileError, match=r"model\.safetensors: a bare \.safetensors file .* folder"):
+        load_model_files(tiny.hf_dir / "model.safetensors")
+
+
+def test_byte_flipped_gguf_metadata_is_a_model_file_error(tmp_path, tiny):
+    # flips in the header, key/values and tensor table: a ModelFileError naming the file, or a model
+    raw = tiny.gguf_path.read_bytes()
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        b = bytearray(raw)
+        for pos in rng.integers(0, 4000, size=rng.integers(1, 4)):
+            b[int(pos)] = int(rng.integers(0, 256))
+        path = tmp_path / f"f{i % 4}.gguf"
+        path.write_bytes(bytes(b))
+        try:
+            load_model_files(path)
+        except ModelFileError as e:
+            assert str(path) in str(e)

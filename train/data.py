@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -30,19 +31,32 @@ class Example:
     obj: dict = None
 
 
+def text_lines(path):
+    """(line number, text) of a UTF-8 file; bytes that are not UTF-8 are a DataError naming the
+    file, line and column."""
+    raw = Path(path).read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(f"{path}:{line}: byte 0x{raw[e.start]:02x} at column {col} is not UTF-8 "
+                        f"(save the file as UTF-8)") from None
+    return enumerate(text.split("\n"), 1)
+
+
 def read_jsonl(path) -> list[tuple[int, dict]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: malformed JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
-            rows.append((n, obj))
+    for n, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: malformed JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+        rows.append((n, obj))
     if not rows:
         raise DataError(f"{path}: no rows")
     return rows
@@ -65,6 +79,8 @@ def _segments(obj, tok, use_template, where):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
                     or not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: messages[{i}] needs a role (system/user/assistant) and string content")
+            if m["role"] == "assistant" and not m["content"].strip():
+                raise DataError(f"{where}: messages[{i}] is an assistant turn with empty content (nothing to learn)")
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant message, so nothing to learn")
     else:
@@ -152,20 +168,19 @@ def load_examples(path, tok, use_template, max_len, side) -> list[Example]:
 def load_passages(path, tok, max_len) -> list[Example]:
     """Preservation text: every next token is scored. Plain lines or JSONL {"text"}."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            text = line.strip()
-            if str(path).endswith(".jsonl"):
-                try:
-                    text = _text(json.loads(line), "text", f"{path}:{n}")
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{n}: malformed JSON: {e.msg}") from None
-            ids = tok.encode(text, add_special=False)[:max_len]
-            if len(ids) < 2:
-                raise DataError(f"{path}:{n}: a passage needs at least 2 tokens")
-            out.append(Example(ids, ids[1:] + [IGNORE], "preservation", f"{path}:{n}"))
+    for n, line in text_lines(path):
+        if not line.strip():
+            continue
+        text = line.strip()
+        if str(path).endswith(".jsonl"):
+            try:
+                text = _text(json.loads(line), "text", f"{path}:{n}")
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: malformed JSON: {e.msg}") from None
+        ids = tok.encode(text, add_special=False)[:max_len]
+        if len(ids) < 2:
+            raise DataError(f"{path}:{n}: a passage needs at least 2 tokens")
+        out.append(Example(ids, ids[1:] + [IGNORE], "preservation", f"{path}:{n}"))
     if not out:
         raise DataError(f"{path}: no passages")
     return out

@@ -25,6 +25,8 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
             lo, hi = int(a), int(b or a)
         except ValueError:
             raise InjectError(f"layers: cannot read {part!r} (use e.g. '0-3,7')") from None
+        if lo > hi:
+            raise InjectError(f"layers: {part!r} is reversed (write {hi}-{lo})")
         if not 0 <= lo <= hi < n_layers:
             raise InjectError(f"layers: {part!r} is outside 0..{n_layers - 1}")
         out |= set(range(lo, hi + 1))

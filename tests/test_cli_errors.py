@@ -1,0 +1,75 @@
+"""Every error a user can cause is one line naming what it concerns, exit status 1, no traceback
+(VKDSL_DEBUG=1 keeps it): a missing device, undecodable data, settings written wrong."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fixtures.train_data import tiny_cfg, tiny_setup
+from vkdsl.cli.train import main
+from vkdsl.train.config import ConfigError, TrainConfig
+from vkdsl.train.data import DataError, load_examples
+from vkdsl.train.inject import InjectError, parse_layers
+from vkdsl.models import load_model_files
+
+
+def vkdsl(args, **env):
+    return subprocess.run([sys.executable, "-m", "vkdsl.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return tiny_setup(tmp_path_factory.mktemp("tiny_err"))
+
+
+def test_a_device_that_is_not_there(setup):
+    p = vkdsl(["devices"], VKDSL_DEVICE="nvidia")
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.startswith("Error: no device matches 'nvidia'; devices present:") and "[0]" in p.stderr
+    d = vkdsl(["devices"], VKDSL_DEVICE="nvidia", VKDSL_DEBUG="1")
+    assert d.returncode != 0 and "Traceback" in d.stderr
+
+
+def test_vkdsl_train_names_the_missing_device_before_loading_anything(setup, capsys, monkeypatch):
+    monkeypatch.setenv("VKDSL_DEVICE", "nvidia")
+    import vkdsl.runtime.context as ctx
+    monkeypatch.setattr(ctx, "_default", None)              # as a fresh process: no device opened yet
+    tm = setup[0]
+    assert main(["--model", str(tm.gguf_path), "--no-verify", "--steps", "10"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vkdsl-train: error: no device matches 'nvidia'") and "loaded" not in err
+
+
+def test_non_utf8_data_names_file_line_and_column(setup, tmp_path):
+    tok = load_model_files(setup[0].gguf_path)[1]
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"prompt": "a", "completion": "b"}\n{"prompt": "caf\xe9", "completion": "b"}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl:2: byte 0xe9 at column 16 is not UTF-8"):
+        load_examples(p, tok, True, 64, "left")
+
+
+def test_an_empty_assistant_turn_is_refused_like_an_empty_completion(setup, tmp_path):
+    tok = load_model_files(setup[0].gguf_path)[1]
+    p = tmp_path / "m.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": ""}]}) + "\n")
+    with pytest.raises(DataError, match=r"m\.jsonl:1: messages\[1\] is an assistant turn with empty content"):
+        load_examples(p, tok, True, 64, "left")
+
+
+def test_booleans_layers_and_warmup_written_wrong(capsys):
+    assert main(["--verify", "false"]) == 1
+    assert "--verify takes no value: write --verify to turn it on or --no-verify" in capsys.readouterr().err
+    with pytest.raises(InjectError, match="'5-2' is reversed"):
+        parse_layers("5-2", 30)
+    with pytest.raises(ConfigError, match=r"warmup \(100\) must be below steps \(10\)"):
+        TrainConfig(warmup=100, steps=10).validate()
+
+
+def test_unknown_flag_is_one_line(capsys):
+    assert main(["--stepz", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "No such option '--stepz'" in err and "--steps" in err and "Traceback" not in err
