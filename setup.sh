@@ -7,8 +7,9 @@ cd "$(dirname "$0")"
 SUDO=""
 [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && SUDO="sudo"
 DEBS="mesa-vulkan-drivers libvulkan1 glslc python3 python3-venv python3-pip"
-# --test adds what only the test suite needs: a real headless browser for the report check.
-[ "${1:-}" = "--test" ] && DEBS="$DEBS chromium"
+# --test adds what only the test suite needs: a real headless browser for the report check and
+# the Khronos validation layer.
+[ "${1:-}" = "--test" ] && DEBS="$DEBS chromium vulkan-validationlayers"
 missing=""
 for p in $DEBS; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
 # python3-venv is only needed where python3 comes from Debian; a Python that already has venv is fine.

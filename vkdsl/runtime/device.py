@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import vulkan as vk
 
-from .errors import DeviceNotFound, vkcall
+from .errors import DeviceNotFound, VulkanError, vkcall
 
 _TYPE_NAMES = {vk.VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: "discrete",
                vk.VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: "integrated",
@@ -89,6 +89,23 @@ def _info(index: int, pd) -> DeviceInfo:
 
 
 _instance = None
+VALIDATION_LAYER = "VK_LAYER_KHRONOS_validation"
+
+
+def _validation_request():
+    """$VKDSL_VALIDATION: unset/0 none; 1 the Khronos validation layer; sync the layer with
+    synchronization validation (hazards between dispatches). Messages go to stdout."""
+    mode = os.environ.get("VKDSL_VALIDATION", "0").strip().lower()
+    if mode in ("", "0"):
+        return None
+    if mode not in ("1", "sync"):
+        raise ValueError(f"VKDSL_VALIDATION={mode!r}: expected 0, 1 or sync")
+    present = {p.layerName for p in vk.vkEnumerateInstanceLayerProperties()}
+    if VALIDATION_LAYER not in present:
+        raise VulkanError("vkCreateInstance", "validation layer missing",
+                          f"VKDSL_VALIDATION is set but {VALIDATION_LAYER} is not installed "
+                          f"(Debian: vulkan-validationlayers)")
+    return mode
 
 
 def instance():
@@ -97,7 +114,14 @@ def instance():
     if _instance is None:
         app = vk.VkApplicationInfo(pApplicationName="vkdsl", applicationVersion=1, pEngineName="vkdsl",
                                    engineVersion=1, apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
-        _instance = vkcall(vk.vkCreateInstance, vk.VkInstanceCreateInfo(pApplicationInfo=app), None,
+        mode, extra = _validation_request(), {}
+        if mode:
+            extra = dict(enabledLayerCount=1, ppEnabledLayerNames=[VALIDATION_LAYER])
+            if mode == "sync":
+                extra["pNext"] = vk.VkValidationFeaturesEXT(
+                    enabledValidationFeatureCount=1,
+                    pEnabledValidationFeatures=[vk.VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT])
+        _instance = vkcall(vk.vkCreateInstance, vk.VkInstanceCreateInfo(pApplicationInfo=app, **extra), None,
                            detail="is a Vulkan driver installed (mesa-vulkan-drivers for the CPU)?")
     return _instance
 
