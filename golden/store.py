@@ -70,6 +70,9 @@ def load_manifest(version: int = 1, root: str | Path | None = None) -> dict:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise GoldenError(f"{path}: missing file (expected the golden manifest)") from None
+    except UnicodeDecodeError as e:
+        raise GoldenError(f"{path}: expected UTF-8 JSON, found byte 0x{e.object[e.start]:02x} at offset {e.start}") \
+            from None
     try:
         man = json.loads(text)
     except json.JSONDecodeError as e:

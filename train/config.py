@@ -213,11 +213,20 @@ def load(toml_path=None, overrides: dict | None = None) -> TrainConfig:
     """Defaults <- TOML file <- overrides (already parsed, e.g. from flags)."""
     values = {}
     if toml_path:
-        with open(toml_path, "rb") as f:
-            try:
-                raw = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"{toml_path}: {e}") from None
+        try:
+            data = Path(toml_path).read_bytes()
+        except OSError as e:
+            raise ConfigError(f"{toml_path}: cannot read the config file ({e.strerror})") from None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise ConfigError(f"{toml_path}:{line}: byte 0x{data[e.start]:02x} is not UTF-8 "
+                              f"(TOML files are UTF-8)") from None
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{toml_path}: {e}") from None
         for k, v in raw.items():
             if k not in FIELDS:
                 raise _unknown(k, str(toml_path))

@@ -18,6 +18,7 @@ from vkdsl.ops.lora import lora_scale
 
 from ..config import LINEARS
 from ..errors import ModelFileError
+from ..gguf_loader import open_gguf, read_key
 from . import common
 
 
@@ -60,16 +61,21 @@ def save(model, path, *, r: int | None = None, alpha: float | None = None,
 
 
 def read(path: Path, cfg) -> "common.AdapterWeights":
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+    """The adapter of a GGUF LoRA file; anything damaged is a ModelFileError naming the file."""
     try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:
-        raise ModelFileError(f"{path}: not a readable GGUF file: {type(e).__name__}: {e}") from e
+        return _read(path, cfg)
+    except ModelFileError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:   # the gguf reader on damaged bytes
+        raise ModelFileError(f"{path}: damaged GGUF adapter ({type(e).__name__}: {e})") from None
+
+
+def _read(path: Path, cfg) -> "common.AdapterWeights":
+    from gguf.quants import dequantize
+    reader = open_gguf(path)
 
     def key(name, default=None):
-        f = reader.fields.get(name)
-        return default if f is None else f.contents()
+        return read_key(reader, name, default, path=path)
 
     if key("general.type") != "adapter" or key("adapter.type") != "lora":
         raise ModelFileError(f"{path}: not a GGUF LoRA adapter (general.type = "
