@@ -10,13 +10,11 @@ overwrites, a truncation, an insertion, and for text formats replacements with c
 tokens that parsers meet at their edges."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 from hypothesis import strategies as st
 
 EXAMPLES = int(os.environ.get("VKDSL_FUZZ_EXAMPLES", "500"))
@@ -59,12 +57,6 @@ def mutated_text(draw, seed: str):
 def write(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path
-
-
-def npz_bytes(**arrays) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
 
 
 def copy_folder(src: Path, dst: Path) -> Path:

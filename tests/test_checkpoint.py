@@ -108,3 +108,17 @@ def test_resume_cleans_temps_marks_metrics_and_reuses_base_eval(setup, stopped, 
     again = run(cfg, d, resume=d)
     assert "base evaluation reused from base_eval.json" in capsys.readouterr().out
     assert again.base["heldout_loss"] == first.base["heldout_loss"]
+
+
+def test_resume_before_the_first_checkpoint_starts_from_step_zero(setup, tmp_path):
+    cfg = tiny_cfg(setup, steps=3, checkpoint_every=2)
+    full = run(cfg, tmp_path / "full", evidence_at_end=False)
+    d = tmp_path / "early"
+    run(cfg, d, stop_after=1, evidence_at_end=False)          # stopped before any checkpoint
+    assert not (d / checkpoint.NAME).exists()
+    resumed = run(cfg, d, resume=d, evidence_at_end=False)
+    assert resumed.step == 3
+    for a, b in zip(full.params, resumed.params):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r["event"] == "step"] == [1, 2, 3]

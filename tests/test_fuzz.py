@@ -9,12 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fixtures.train_data import tiny_setup
-from fuzzing import (DEADLINE_MS, EXAMPLES, SEED_TOML, copy_folder, mutated, mutated_text, npz_bytes, seed_pairs,
-                     seed_rows, write)
+from fuzzing import (DEADLINE_MS, EXAMPLES, SEED_TOML, copy_folder, mutated, mutated_text, seed_pairs, seed_rows,
+                     write)
 from vkdsl.compiler import cache
 from vkdsl.models import ModelFileError, load_model_files
 from vkdsl.models.adapters import read_adapter
-from vkdsl.models.safetensors_loader import read_safetensors, safetensors_bytes
+from vkdsl.models.safetensors_loader import read_safetensors
 from vkdsl.train import checkpoint
 from vkdsl.train import config as C
 from vkdsl.train.checkpoint import CheckpointError

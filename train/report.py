@@ -8,8 +8,9 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
 from pathlib import Path
+
+from vkdsl.fileio import atomic_write
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
 SKIP = {"time", "tokens", "seq_tokens", "tokens_per_s", "lr", "grad_norm", "pairs", "heldout_correct", "heldout_n",
@@ -174,11 +175,4 @@ def build_report(run_dir) -> Path:
            ".pass{background:#d4f4d4}.fail{background:#f8d0d0;font-weight:bold}svg{display:block;margin:1em 0}")
     page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>vkdsl run {html.escape(run.name)}</title>"
             f"<style>{css}</style></head><body>{''.join(sections)}</body></html>")
-    out = run / "report.html"
-    tmp = out.with_suffix(".html.tmp")
-    with open(tmp, "w") as f:
-        f.write(page)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)
-    return out
+    return atomic_write(run / "report.html", page.encode("utf-8"))

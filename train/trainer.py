@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import time
@@ -324,7 +325,11 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
     r = Run(cfg, run_dir, rep)
     r.preflight()
-    if resume:
+    if resume and checkpoint.saved_step(resume) is None and not (Path(resume) / checkpoint.NAME).exists() \
+            and not (Path(resume) / checkpoint.LEGACY).exists():
+        rep.say(f"no checkpoint in {resume} yet: starting from step 0 with its config")
+        _mark_resume(run_dir / "metrics.jsonl", 0)
+    elif resume:
         r.restore(resume)
     if evidence_at_end:
         r.base_evidence()
@@ -335,8 +340,10 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
         r.save()
     r.final, r.gates = None, []
     if finished:
-        np.savez(run_dir / "adapter.npz", **{f"{n}.lora_A": r.model.lora[n].A.numpy() for n in r.names},
+        buf = io.BytesIO()
+        np.savez(buf, **{f"{n}.lora_A": r.model.lora[n].A.numpy() for n in r.names},
                  **{f"{n}.lora_B": r.model.lora[n].B.numpy() for n in r.names})
+        checkpoint.atomic_write(run_dir / "adapter.npz", buf.getvalue())
         if evidence_at_end:
             r.final = r.evaluate()
             r.gates = evidence.gates(r.final, r.first_loss, cfg)
