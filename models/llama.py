@@ -6,15 +6,18 @@ dense fp32); LoRA adapters are applied beside them and can be switched off per c
 base distribution comes from the same weights in the same step."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 import vkdsl
 from vkdsl import Tensor
+from vkdsl.runtime import default_device
 from vkdsl.ops import attention, nn
 
 from .config import LINEARS, LlamaConfig
 from .tensors import LlamaCheckpoint
-from .weights import device_weight
+from .weights import device_weight, planned_bytes
 
 
 
@@ -25,6 +28,9 @@ class Llama:
         self.cfg: LlamaConfig = ckpt.config
         self.source = ckpt.source
         c = self.cfg
+        # the whole model's device bytes, refused up front rather than half-allocated
+        need = sum(planned_bytes(ckpt[n], quant) for n in ckpt.tensors) + 4 * c.context_length * c.head_dim
+        default_device().reserve(need, f"model {Path(str(ckpt.source)).name} (quant {quant})")
         self.linear = {}
         for i in range(c.n_layers):
             for m in LINEARS:

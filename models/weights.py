@@ -7,7 +7,9 @@ import numpy as np
 import vkdsl
 from vkdsl import Tensor
 
-from .quantized import Packed, wants_packed
+from vkdsl.ops.quant import array_nbytes
+
+from .quantized import PACKED_GGUF, Packed, wants_packed
 from .tensors import TensorRecord
 
 
@@ -34,6 +36,14 @@ class Dense:
     @property
     def fp32_bytes(self):
         return int(np.prod(self.shape)) * 4
+
+
+def planned_bytes(rec: TensorRecord, quant: str = "keep") -> int:
+    """Device bytes device_weight(rec, quant) will allocate, known before allocating anything."""
+    if wants_packed(rec, quant):
+        fmt = PACKED_GGUF.get(rec.ggml_type, "q4_0") if quant == "keep" else quant
+        return sum(array_nbytes(fmt, *rec.shape))
+    return 4 * int(np.prod(rec.shape))
 
 
 def device_weight(rec: TensorRecord, quant: str = "keep"):

@@ -2,9 +2,9 @@
 from .commands import Recording
 from .context import Device, default_device, open_device
 from .device import DeviceInfo, list_devices, select
-from .errors import DeviceNotFound, VulkanError
+from .errors import DeviceMemoryError, DeviceNotFound, VulkanError
 from .kernel import Kernel, get_kernel
 from .memory import Buffer
 
 __all__ = ["Recording", "Device", "default_device", "open_device", "DeviceInfo", "list_devices", "select",
-           "DeviceNotFound", "VulkanError", "Kernel", "get_kernel", "Buffer"]
+           "DeviceMemoryError", "DeviceNotFound", "VulkanError", "Kernel", "get_kernel", "Buffer"]

@@ -1,12 +1,13 @@
 """An opened Vulkan device: logical device, one compute queue, pools, and the process default."""
 from __future__ import annotations
 
+import os
 import sys
 
 import vulkan as vk
 
 from .device import DeviceInfo, instance, select
-from .errors import VulkanError, vkcall
+from .errors import DeviceMemoryError, VulkanError, vkcall
 
 
 class Device:
@@ -43,6 +44,22 @@ class Device:
         self.peak_bytes = 0
 
     @property
+    def memory_budget(self) -> int:
+        """Bytes vkdsl may allocate: the largest device-local heap, or $VKDSL_DEVICE_MEMORY_LIMIT
+        (bytes; K/M/G suffixes) when that is smaller."""
+        heap = max((b for b, local in self.info.heaps if local), default=max(b for b, _ in self.info.heaps))
+        limit = os.environ.get("VKDSL_DEVICE_MEMORY_LIMIT")
+        return min(heap, parse_bytes(limit)) if limit else heap
+
+    def reserve(self, nbytes: int, what: str):
+        """Refuse, before allocating, an allocation that would pass the budget."""
+        if self.allocated_bytes + nbytes > self.memory_budget:
+            raise DeviceMemoryError(
+                f"{what} needs {nbytes / 2**20:.1f} MiB of device memory; {self.info.name} has "
+                f"{(self.memory_budget - self.allocated_bytes) / 2**20:.1f} MiB left of a "
+                f"{self.memory_budget / 2**20:.1f} MiB budget")
+
+    @property
     def unified_memory(self) -> bool:
         return self.info.host_visible_device_local
 
@@ -51,6 +68,16 @@ class Device:
 
     def __repr__(self):
         return f"Device({self.info.describe()})"
+
+
+def parse_bytes(text: str) -> int:
+    """'512M', '2G', '1048576' -> bytes (binary units)."""
+    t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ValueError(f"VKDSL_DEVICE_MEMORY_LIMIT={text!r}: expected bytes, e.g. 512M or 2G") from None
 
 
 _default: Device | None = None

@@ -37,3 +37,8 @@ def check(code: int, call: str, detail: str = ""):
     """For raw `vk.lib` calls that return a VkResult integer."""
     if code != vk.VK_SUCCESS:
         raise VulkanError(call, result_name(code), detail)
+
+
+class DeviceMemoryError(ValueError):
+    """An allocation (or a model) that does not fit the device's memory budget, refused before
+    anything is allocated; names the bytes needed and left."""

@@ -42,6 +42,8 @@ class Buffer:
         if size > device.limits.max_storage_buffer_range and not host:
             raise ValueError(f"buffer {label or ''} of {size} bytes exceeds the device's "
                              f"maxStorageBufferRange of {device.limits.max_storage_buffer_range} bytes")
+        if host is not True:                  # staging buffers are transient host memory
+            device.reserve(size, f"buffer {label or ''}".strip())
         h = device.handle
         self.handle = vkcall(vk.vkCreateBuffer, h, vk.VkBufferCreateInfo(
             size=size, usage=_USAGE, sharingMode=vk.VK_SHARING_MODE_EXCLUSIVE), None)

@@ -1,0 +1,63 @@
+"""Resource faults: a model that does not fit the device's memory budget is refused before any of
+it is allocated, naming the bytes needed and left; a long run keeps host RSS and device bytes flat."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fixtures.train_data import tiny_cfg, tiny_setup
+from vkdsl.models import load_model_files
+from vkdsl.models.llama import Llama
+from vkdsl.runtime import DeviceMemoryError, default_device
+from vkdsl.train.inject import inject, params_of
+from vkdsl.train.step import Stepper
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return tiny_setup(tmp_path_factory.mktemp("tiny_res"))
+
+
+def test_a_model_over_the_budget_is_refused_before_allocating(setup, monkeypatch):
+    ck, _ = load_model_files(setup[0].gguf_path)
+    dev = default_device()
+    before = dev.allocated_bytes
+    monkeypatch.setenv("VKDSL_DEVICE_MEMORY_LIMIT", str(before + 4096))
+    with pytest.raises(DeviceMemoryError, match=r"model tiny\.gguf \(quant keep\) needs [\d.]+ MiB .* left of a"):
+        Llama(ck)
+    assert dev.allocated_bytes == before                     # nothing half-allocated
+
+
+def test_the_command_line_says_it_in_one_line(setup):
+    p = subprocess.run([sys.executable, "-m", "vkdsl.cli", "info", "--model", str(setup[0].gguf_path)],
+                       capture_output=True, text=True, env={**os.environ, "VKDSL_DEVICE_MEMORY_LIMIT": "1K"},
+                       timeout=120)
+    assert p.returncode == 1 and "needs" in p.stderr and "MiB" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_two_thousand_steps_keep_memory_flat(setup):
+    ck, _ = load_model_files(setup[0].gguf_path)
+    model = Llama(ck)
+    cfg = tiny_cfg(setup, tmkl=0.1, lr=1e-3)
+    names = inject(model, cfg)
+    params = params_of(model, names)
+    st = Stepper(model, params, cfg)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 300, (4, 16)).astype(np.int32)
+    lab = np.where(np.arange(16) >= 12, ids, -100).astype(np.int32)
+    dev = default_device()
+    marks = {}
+    for step in range(1, 2001):
+        st.step([(ids, lab)], cfg.lr)
+        if step in (200, 2000):
+            marks[step] = (rss_bytes(), dev.allocated_bytes)
+    (rss0, dev0), (rss1, dev1) = marks[200], marks[2000]
+    assert dev1 == dev0, f"device bytes grew by {dev1 - dev0} over 1800 steps"
+    assert rss1 - rss0 < 32 * 2**20, f"host RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 1800 steps"
