@@ -60,7 +60,13 @@ def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
         saved = Path(resume) / "config.json"
         if not saved.is_file():
             raise C.ConfigError(f"--resume {resume}: no config.json there")
-        return C.load(None, {**json.loads(saved.read_text()), **over}), resume
+        try:
+            values = json.loads(saved.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise C.ConfigError(f"{saved}: not the run's settings as JSON ({e})") from None
+        if not isinstance(values, dict):
+            raise C.ConfigError(f"{saved}: expected an object of settings, found {type(values).__name__}")
+        return C.load(None, {**values, **over}), resume
     cfg = C.load(config_path, over)
     cfg.out = cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, cfg.out

@@ -73,3 +73,10 @@ def test_unknown_flag_is_one_line(capsys):
     assert main(["--stepz", "3"]) == 1
     err = capsys.readouterr().err
     assert "No such option '--stepz'" in err and "--steps" in err and "Traceback" not in err
+
+
+def test_a_damaged_run_config_names_the_file(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"steps": 3, "rank": ')
+    assert main(["--resume", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'config.json'}: not the run's settings as JSON" in err and "Traceback" not in err
