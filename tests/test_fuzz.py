@@ -1,6 +1,9 @@
 """Fuzzing every reader a user hands files to (see tests/fuzzing.py for the campaign command):
 each generated input ends in the reader's own error type, with a message, or a correct result."""
 import json
+import os
+import sys
+from collections import Counter
 
 import click
 import numpy as np
@@ -50,12 +53,19 @@ def world(tmp_path_factory):
                 ckpt=(root / "ckpt" / checkpoint.NAME).read_bytes())
 
 
+COUNTS = Counter()            # reader -> inputs tried, and how many ended in the reader's error
+
+
 def expect(errors, fn):
     """fn() returns, or raises one of errors with a message; anything else fails the example."""
+    reader = sys._getframe(2).f_code.co_name if sys._getframe(1).f_code.co_name == "check" else "?"
+    reader = os.environ.get("PYTEST_CURRENT_TEST", reader).split("::")[-1].split(" ")[0]
+    COUNTS[reader] += 1
     try:
         return fn()
     except errors as e:
         assert str(e).strip(), f"{type(e).__name__} without a message"
+        COUNTS[reader + " (refused)"] += 1
         return None
 
 
@@ -205,6 +215,19 @@ def test_spirv_cache_entries(tmp_path, monkeypatch):
     @given(st.data())
     def check(data):
         write(tmp_path / "k.spv", data.draw(mutated(entry)))
+        COUNTS["test_spirv_cache_entries"] += 1
         got = cache.load("k")                       # a damaged entry is dropped (None), never used
         assert got is None or got == good
+        COUNTS["test_spirv_cache_entries (refused)"] += got is None
     check()
+
+
+def test_zz_report_counts():
+    """Last: how many inputs each reader saw and refused (written to $VKDSL_FUZZ_REPORT if set)."""
+    rows = sorted(k for k in COUNTS if not k.endswith("(refused)"))
+    lines = [f"{k:28s} {COUNTS[k]:7d} inputs  {COUNTS[k + ' (refused)']:7d} refused with the reader's error"
+             for k in rows]
+    if os.environ.get("VKDSL_FUZZ_REPORT"):
+        with open(os.environ["VKDSL_FUZZ_REPORT"], "w") as f:
+            f.write("\n".join(lines) + "\n")
+    assert all(COUNTS[k] > 0 for k in rows)

@@ -81,7 +81,8 @@ def load(run_dir):
     try:
         with np.load(path, allow_pickle=False) as z:
             members = {k: z[k] for k in z.files}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError) as e:
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, KeyError, NotImplementedError, RuntimeError) as e:
+        # zipfile raises NotImplementedError / RuntimeError on damaged flags (compression, encryption)
         raise CheckpointError(f"{path}: truncated or corrupt ({type(e).__name__}: {e})") from None
     try:
         meta = json.loads(members.pop("meta").tobytes())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +102,10 @@ class TrainConfig:
             (self.dpo_beta > 0 and self.dpo_lr > 0 and self.dpo_nll_weight >= 0,
              "dpo_beta and dpo_lr must be > 0, dpo_nll_weight >= 0"),
         ]
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"config: {f.name}={v} is not a finite number")
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(f"config: {msg}")
@@ -195,11 +200,13 @@ def _coerce(name, value):
             items = [v.strip() for v in str(value).split(",") if v.strip()]
             return [float(v) for v in items] if name == "betas" else items
         if isinstance(default, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
             return int(value)
         if isinstance(default, float):
             return float(value)
         return str(value)
-    except ValueError:
+    except (ValueError, OverflowError, TypeError):
         raise ConfigError(f"config: {name}={value!r} is not a valid {type(default).__name__}") from None
 
 
