@@ -65,7 +65,7 @@ def test_booleans_layers_and_warmup_written_wrong(capsys):
     assert "--verify takes no value: write --verify to turn it on or --no-verify" in capsys.readouterr().err
     with pytest.raises(InjectError, match="'5-2' is reversed"):
         parse_layers("5-2", 30)
-    with pytest.raises(ConfigError, match=r"warmup \(100\) must be below steps \(10\)"):
+    with pytest.raises(ConfigError, match=r"warmup \(100\) must not exceed steps \(10\)"):
         TrainConfig(warmup=100, steps=10).validate()
 
 

@@ -83,8 +83,8 @@ class TrainConfig:
             (self.tmkl >= 0, "tmkl (lambda) must be >= 0"),
             (self.lr > 0, "lr must be > 0"),
             (self.warmup >= 0, "warmup must be >= 0"),
-            (self.warmup < self.steps or self.objective == "dpo",
-             f"warmup ({self.warmup}) must be below steps ({self.steps}): the learning rate would never "
+            (self.warmup <= self.steps or self.objective == "dpo",
+             f"warmup ({self.warmup}) must not exceed steps ({self.steps}): the learning rate would never "
              f"reach lr"),
             (0 <= self.min_lr_ratio <= 1, "min_lr_ratio must be in [0, 1]"),
             (self.steps >= 1, "steps must be >= 1"),
