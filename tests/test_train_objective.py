@@ -146,7 +146,7 @@ def test_tmkl_term_matches_references(tiny):
     st.step([(ids, lab)], cfg.lr)
     n = int((lab != IGN).sum())
     pos, sl = select(lab)
-    out = st.fn(ids, pos, sl, np.array([1.0 / n], np.float32))
+    out = st.fn(ids, pos, sl, np.array([1.0 / n], np.float32), st.base_cache.logits(ids, lab, pos))
     kl_step = float(out[1]) / n
     za = m.forward(vkdsl.tensor(ids)).numpy().reshape(-1, 300)
     zb = m.forward(vkdsl.tensor(ids), adapters_on=False).numpy().reshape(-1, 300)
@@ -168,3 +168,31 @@ def test_tmkl_pulls_toward_base(tiny):
     st = Stepper(m, params, base_cfg)
     kls = [st.step([(ids, lab)], base_cfg.lr)["tmkl"] for _ in range(6)]
     assert kls[-1] < kls[0]
+
+
+def test_cached_base_logits_give_the_same_training(tiny):
+    # TMKL with the base logits cached per row (one base forward per row) trains as the in-step base
+    # forward does, to 1e-6; the second and third visits of the rows run no base forward
+    runs = {}
+    for budget in (0, 1 << 30):
+        m, names, cfg = model_with_adapters(tiny, tmkl=0.5, clip=0.0, tmkl_cache_bytes=budget)
+        params = params_of(m, names)
+        st = Stepper(m, params, cfg)
+        ids, lab = batch(B=4, seed=2)
+        recs = [st.step([(ids[:2], lab[:2]), (ids[2:], lab[2:])], cfg.lr) for _ in range(3)]
+        runs[budget] = ([p.numpy() for p in params], recs, st.base_cache)
+    (p0, r0, none), (p1, r1, cache) = runs[0], runs[1 << 30]
+    assert none is None and cache.misses == 2 and cache.hits == 4 and cache.bytes > 0
+    for a, b in zip(r0, r1):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["tmkl"] == pytest.approx(b["tmkl"], rel=1e-5)
+    for a, b in zip(p0, p1):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cache_over_budget_computes_in_step(tiny):
+    m, names, cfg = model_with_adapters(tiny, tmkl=0.5, clip=0.0, tmkl_cache_bytes=1)
+    st = Stepper(m, params_of(m, names), cfg)
+    ids, lab = batch(B=2, seed=4)
+    st.step([(ids, lab)], cfg.lr)
+    st.step([(ids, lab)], cfg.lr)
+    assert st.base_cache.bytes == 0 and st.base_cache.hits == 0 and st.base_cache.misses == 2

@@ -37,6 +37,7 @@ class TrainConfig:
     rslora: bool = False
     # objective and optimizer
     tmkl: float = 0.1                                # lambda; 0 = plain SFT (no base forward at all)
+    tmkl_cache_bytes: int = 1 << 30                  # base logits kept for TMKL; 0 = a base forward every step
     lr: float = 1e-3
     warmup: int = 5
     min_lr_ratio: float = 0.1
@@ -81,6 +82,7 @@ class TrainConfig:
             (self.rank >= 1, "rank must be >= 1"),
             (self.alpha > 0, "alpha must be > 0"),
             (self.tmkl >= 0, "tmkl (lambda) must be >= 0"),
+            (self.tmkl_cache_bytes >= 0, "tmkl_cache_bytes must be >= 0"),
             (self.lr > 0, "lr must be > 0"),
             (self.warmup >= 0, "warmup must be >= 0"),
             (self.warmup <= self.steps or self.objective == "dpo",
@@ -140,6 +142,8 @@ HELP = {
     "alpha": "LoRA alpha (scale alpha/r, or alpha/sqrt(r) with rslora)",
     "rslora": "rank-stabilized scale alpha/sqrt(r)",
     "tmkl": "lambda of the target-masked KL to the base; 0 = plain SFT (no base forward)",
+    "tmkl_cache_bytes": "bytes of host memory for the base model's logits at supervised positions, computed "
+                        "once per training row; 0 = a base forward in every step",
     "lr": "peak learning rate (AdamW)",
     "warmup": "linear warm-up steps",
     "min_lr_ratio": "cosine decay floor as a fraction of lr",

@@ -10,6 +10,8 @@ The adapter update (AdamW, decoupled decay, global-norm clipping) runs in numpy 
 the few LoRA tensors; the new values are written back into the same device buffers."""
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 import vkdsl
@@ -37,10 +39,11 @@ def selected_logits(model, ids, pos, adapters_on):
     return model.head(h.reshape(B * T, model.cfg.dim).gather(pos))         # (S, V)
 
 
-def build_grad_fn(model, params, lam: float):
-    """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,)) -> (ce_sum, kl_sum, *grads)."""
+def build_grad_fn(model, params, lam: float, base_input: bool = False):
+    """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, base logits (S,V)]) -> (ce_sum, kl_sum,
+    *grads). base_input: the base model's logits come in (cached) instead of a base forward."""
     @vkdsl.trace
-    def grad_step(ids, pos, labels, inv_n):
+    def grad_step(ids, pos, labels, inv_n, *base):
         lg = selected_logits(model, ids, pos, True)
         _, per = losses.cross_entropy(lg, labels)
         ce_sum = per.sum()
@@ -48,12 +51,57 @@ def build_grad_fn(model, params, lam: float):
         kl_sum = ce_sum * 0.0
         if lam > 0:
             mask = 1.0 - labels.eq(IGNORE)
-            base = selected_logits(model, ids, pos, False)
-            kl_sum = losses.tmkl(lg, base, labels) * mask.sum()
+            base_lg = base[0] if base_input else selected_logits(model, ids, pos, False)
+            kl_sum = losses.tmkl(lg, base_lg, labels) * mask.sum()
             obj = ce_sum + kl_sum * lam
         gs = grad((obj * inv_n[0]), params)
         return [ce_sum, kl_sum] + gs
     return grad_step
+
+
+class BaseLogitCache:
+    """The base model's logits at each training row's supervised positions, computed once (adapter
+    off) and kept within a byte budget. During SFT they never change, so TMKL needs no base forward
+    after a row's first visit. Rows are keyed by their tokens up to the last supervised position
+    (what those logits depend on, causally), so another data set can never hit a stale entry."""
+
+    def __init__(self, model, budget_bytes: int):
+        self.budget, self.bytes, self.rows = int(budget_bytes), 0, {}
+        self.hits = self.misses = 0
+
+        @vkdsl.trace
+        def base_logits(ids, pos):
+            return selected_logits(model, ids, pos, False)
+        self.fn = base_logits
+
+    @staticmethod
+    def key(ids_row: np.ndarray, lab_row: np.ndarray) -> bytes:
+        sup = np.flatnonzero(lab_row != IGNORE)
+        end = int(sup[-1]) + 1 if len(sup) else 0
+        return hashlib.sha256(ids_row[:end].tobytes() + b"|" + lab_row[:end].tobytes()).digest()
+
+    def logits(self, ids: np.ndarray, labels: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """(S, V) base logits in select()'s order for this micro-batch (padding rows zero)."""
+        keys = [self.key(ids[b], labels[b]) for b in range(ids.shape[0])]
+        counts = [int((labels[b] != IGNORE).sum()) for b in range(ids.shape[0])]
+        if any(k not in self.rows for k in keys):
+            self.misses += 1
+            full = np.asarray(self.fn(ids, pos), np.float32)
+            off = 0
+            for k, n in zip(keys, counts):
+                rows = full[off:off + n]
+                if k not in self.rows and self.bytes + rows.nbytes <= self.budget:
+                    self.rows[k] = rows.copy()
+                    self.bytes += rows.nbytes
+                off += n
+            return full
+        self.hits += 1
+        out = np.zeros((len(pos), next(iter(self.rows.values())).shape[1]), np.float32)
+        off = 0
+        for k, n in zip(keys, counts):
+            out[off:off + n] = self.rows[k]
+            off += n
+        return out
 
 
 class HostAdamW:
@@ -99,7 +147,9 @@ class Stepper:
 
     def __init__(self, model, params, cfg):
         self.model, self.params, self.cfg = model, params, cfg
-        self.fn = build_grad_fn(model, params, cfg.tmkl)
+        budget = getattr(cfg, "tmkl_cache_bytes", 0)
+        self.base_cache = BaseLogitCache(model, budget) if cfg.tmkl > 0 and budget > 0 else None
+        self.fn = build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None)
         self.opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
 
     def grads(self, micro, n_total):
@@ -109,7 +159,8 @@ class Stepper:
         inv = np.array([1.0 / n_total], np.float32)
         for ids, labels in micro:
             pos, lab = select(labels)
-            out = self.fn(ids, pos, lab, inv)
+            base = () if self.base_cache is None else (self.base_cache.logits(ids, labels, pos),)
+            out = self.fn(ids, pos, lab, inv, *base)
             ce, kl = ce + float(out[0]), kl + float(out[1])
             gs = [np.asarray(g, np.float32) for g in out[2:]]
             acc = gs if acc is None else [a + g for a, g in zip(acc, gs)]
