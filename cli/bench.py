@@ -20,7 +20,9 @@ BENCHES = {
               [click.Option(["--model", "model_path"], default=None, metavar="PATH")]),
     "train": ("vkdsl.train.bench:bench_train",
               "SmolLM2 training-step speed (SFT at 4 x 256, or DPO at 4 pairs x 64) and device memory.",
-              [click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft", show_default=True)]),
+              [click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft", show_default=True),
+               click.Option(["--profile"], is_flag=True,
+                            help="time per kernel class of one step (each dispatch alone), GFLOP/s, share")]),
     "ops": ("vkdsl.ops.bench:bench_ops",
             "LoRA linear, softmax + CE, Q4_1 matmul and attention, forward and backward, beside numpy.", []),
     "quant": ("vkdsl.ops.bench:bench_quant",
@@ -34,7 +36,7 @@ def _arguments(name, kw):
     if name == "model":
         return (kw["model_path"],)
     if name == "train":
-        return (kw["objective"],)
+        return (kw["objective"], None, kw["profile"])
     return ()
 
 

@@ -79,6 +79,10 @@ class FusedAttention(CustomOp):
                      struct.pack(PUSH, B, Tq, Tk, Hq, Hkv, int(self.causal), int(self.has_mask),
                                  1.0 / math.sqrt(D)))
 
+    def flops(self, node) -> int:
+        B, Tq, Tk, Hq, Hkv, D = self.dims
+        return 4 * B * Hq * Tq * Tk * D // (2 if self.causal else 1)      # QK^T and PV, half under causality
+
     def backward(self, node, g, q, k, v, *mask):
         ins = [t for t in (q, k, v) if t.requires_grad]
         out = attention_composed(q, k, v, mask[0] if mask else None, self.causal)

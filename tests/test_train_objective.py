@@ -196,3 +196,19 @@ def test_a_cache_over_budget_computes_in_step(tiny):
     st.step([(ids, lab)], cfg.lr)
     st.step([(ids, lab)], cfg.lr)
     assert st.base_cache.bytes == 0 and st.base_cache.hits == 0 and st.base_cache.misses == 2
+
+
+def test_profile_classes_cover_every_dispatch(tiny):
+    # `vkdsl bench train --profile` on the tiny model: each timed dispatch lands in one class
+    from vkdsl.train.profile import CLASSES, table
+    m, names, cfg = model_with_adapters(tiny, tmkl=0.1)
+    st = Stepper(m, params_of(m, names), cfg)
+    ids, lab = batch(B=2, seed=4)
+    st.step([(ids, lab)], cfg.lr)
+    pos, sl = select(lab)
+    prog = st.fn.program(ids, pos, sl, np.ones(1, np.float32), st.base_cache.logits(ids, lab, pos))
+    rows = table(prog, m.cfg.vocab_size, wall_s=1.0, objective="sft")
+    kernels = [r for r in rows if r["class"] in CLASSES]
+    assert sum(r["calls"] for r in kernels) == sum(1 for s in prog.steps if s.kind != "assign")
+    assert {"LoRA (narrow matmuls)", "LM head + cross-entropy"} <= {r["class"] for r in kernels}
+    assert all(r["gflops"] is None or r["gflops"] > 0 for r in rows)

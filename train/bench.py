@@ -87,7 +87,8 @@ def bench_sft(model, w, B=4, T=256):
     return rows
 
 
-def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
+def dpo_step_and_inputs(model, P=4, T_prompt=32, T_resp=64):
+    """The traced DPO step (adapters on q,v) and one batch of random pairs for it."""
     from . import dpo
     from .data import Example
     params = _inject(model, ("attn_q", "attn_v"))
@@ -102,15 +103,22 @@ def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
     step = dpo.build_dpo_step(model, params, 0.1, 0.0)
     ic, pc, lc, sc = dpo._pack([p.chosen for p in pairs], 0, 32, T_prompt + T_resp)
     ir, pr, lr, sr = dpo._pack([p.rejected for p in pairs], 0, 32, T_prompt + T_resp)
-    ref = np.zeros(P, np.float32)
-    t = _time(lambda: step(ic, pc, lc, sc, ir, pr, lr, sr, ref, np.ones(1, np.float32)))
+    return step, (ic, pc, lc, sc, ir, pr, lr, sr, np.zeros(P, np.float32), np.ones(1, np.float32))
+
+
+def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
+    step, args = dpo_step_and_inputs(model, P, T_prompt, T_resp)
+    t = _time(lambda: step(*args))
     tokens = 2 * P * (T_prompt + T_resp)
     return [{"case": f"dpo {P} pairs x {T_resp} response tokens (+{T_prompt} prompt), adapters on q,v",
              "step_s": t, "pairs_per_s": P / t, "tokens_per_s": tokens / t,
              "reference": "precomputed once (adapter off), cached"}]
 
 
-def bench_train(objective="sft", path=None):
+def bench_train(objective="sft", path=None, profile=False):
+    if profile:
+        from .profile import profile_dpo, profile_sft
+        return profile_dpo(path) if objective == "dpo" else profile_sft(path)
     ck, tok = load_model_files(path or default_model_path())
     model = Llama(ck)
     if objective == "dpo":

@@ -73,24 +73,44 @@ def bench_replay(n_dispatches: int = 1000, size: int = 256):
             "ratio": replay_t / raw_t, "per_dispatch_us": raw_t / len(prog.steps) * 1e6, "max_abs_error": err}
 
 
-def profile(prog, top: int = 15):
-    """Time each step of a recorded program on its own (one submit per step): where the time goes."""
-    from collections import defaultdict
+def step_flops(step) -> int:
+    """Arithmetic of a matmul-like step (2 per multiply-add); 0 for the rest."""
+    t = step.node
+    if step.kind == "matmul":
+        ta, tb, nb, _, _ = t.arg
+        a = t.src[0]
+        K = a.shape[-2] if ta else a.shape[-1]
+        return 2 * nb * t.shape[-2] * t.shape[-1] * K
+    if step.kind == "custom" and hasattr(t.arg, "flops"):
+        return int(t.arg.flops(t))
+    return 0
 
-    totals, counts = defaultdict(float), defaultdict(int)
-    dev = prog.dev
+
+def time_steps(prog):
+    """[(step, seconds)] with each step of a recorded program submitted on its own (after a warm-up
+    submit): where the time goes. Assigns are skipped (they would change the program's state)."""
+    out = []
     for s in prog.steps:
         if s.kind == "assign":
             continue
-        rec = Recording(dev, 8, label="profile")
+        rec = Recording(prog.dev, 8, label="profile")
         record_step(rec, s, prog.buffer_of)
-        key = step_name(s)
         rec.finish()
         rec.submit_wait()
         t = time.perf_counter()
         rec.submit_wait()
-        totals[key] += time.perf_counter() - t
-        counts[key] += 1
+        out.append((s, time.perf_counter() - t))
         rec.release()
+    return out
+
+
+def profile(prog, top: int = 15):
+    """Time each step of a recorded program on its own: the `top` kernels by total time."""
+    from collections import defaultdict
+    totals, counts = defaultdict(float), defaultdict(int)
+    for s, dt in time_steps(prog):
+        key = step_name(s)
+        totals[key] += dt
+        counts[key] += 1
     rows = sorted(totals.items(), key=lambda kv: -kv[1])
     return [(k, counts[k], v) for k, v in rows[:top]], sum(totals.values())

@@ -27,6 +27,10 @@ class QLinear(CustomOp):
         plan = kernels.plan_qmatmul(rec.device, self.fmt, M=M, N=N, K=K, form=self.form)
         kernels.record_qmatmul(rec, plan, out, srcs[0], *srcs[1:])
 
+    def flops(self, node) -> int:
+        N, K = self.shape
+        return 2 * node.shape[0] * N * K
+
     def backward(self, node, g, x, *arrays):
         return (qlinear(g, arrays, self.fmt, self.shape, "nn" if self.form == "nt" else "nt"),
                 *([None] * len(arrays)))

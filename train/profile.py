@@ -1,0 +1,95 @@
+"""`vkdsl bench train --profile`: where one training step's time goes, by kernel class, with
+achieved GFLOP/s for the matmul-like kernels. Each recorded dispatch of the traced step is
+submitted on its own (vkdsl.bench.time_steps); the difference to the whole step's wall time is
+host work (the optimizer, copies, submit and wait)."""
+from __future__ import annotations
+
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from vkdsl.bench import step_flops, time_steps
+
+CLASSES = ("quantized matmul, forward (x·Wᵀ)", "quantized matmul, input gradient (dy·W)", "LM head + cross-entropy",
+           "attention forward (fused kernel)", "LoRA (narrow matmuls)", "fp32 matmul (attention backward, other)",
+           "elementwise and reductions (norms, RoPE, SwiGLU, softmax pieces)", "embedding gather")
+
+
+def kernel_class(step, vocab: int) -> str:
+    t = step.node
+    if step.kind == "custom":
+        name = t.arg.name
+        if name.startswith("qlinear"):
+            if vocab in (t.shape[-1], getattr(t.arg, "shape", (0, 0))[0]):
+                return CLASSES[2]
+            return CLASSES[0] if "_nt_" in name else CLASSES[1]
+        if name.startswith("attention"):
+            return CLASSES[3]
+        return CLASSES[7]
+    if step.kind == "matmul":
+        a, b = t.src
+        if vocab in t.shape or vocab in a.shape or vocab in b.shape:
+            return CLASSES[2]
+        return CLASSES[4] if min(*t.shape[-2:], *a.shape[-2:]) <= 32 else CLASSES[5]      # rank <= 32
+    if step.kind == "gather":
+        return CLASSES[7]
+    touches_vocab = vocab in t.shape or any(vocab in s.shape for s in step.inputs)
+    return CLASSES[2] if touches_vocab else CLASSES[6]
+
+
+def table(prog, vocab: int, wall_s: float, objective: str) -> list[dict]:
+    secs, calls, flops = defaultdict(float), defaultdict(int), defaultdict(int)
+    for s, dt in time_steps(prog):
+        c = kernel_class(s, vocab)
+        secs[c] += dt
+        calls[c] += 1
+        flops[c] += step_flops(s)
+    kernels = sum(secs.values())
+    rows = [{"objective": objective, "class": c, "calls": calls[c], "seconds": secs[c],
+             "share": secs[c] / wall_s, "gflops": flops[c] / secs[c] / 1e9 if flops[c] else None}
+            for c in sorted(secs, key=lambda c: -secs[c])]
+    rows.append({"objective": objective, "class": "host: optimizer, copies, submit (step wall − kernels)",
+                 "calls": 1, "seconds": max(wall_s - kernels, 0.0), "share": max(wall_s - kernels, 0.0) / wall_s,
+                 "gflops": None})
+    rows.append({"objective": objective, "class": "step wall", "calls": prog.recording.n_dispatches,
+                 "seconds": wall_s, "share": 1.0, "gflops": None})
+    return rows
+
+
+def profile_sft(path=None) -> list[dict]:
+    """The trainer's own step on one default batch (bundled data, q,v, r = 8, TMKL 0.1, base
+    logits cached after the first visit)."""
+    from .config import TrainConfig
+    from .progress import Reporter
+    from .step import select
+    from .trainer import Run
+    cfg = TrainConfig(verify=False, quiet=True, model=path or "").validate()
+    r = Run(cfg, Path(tempfile.mkdtemp(prefix="vkdsl-profile-")), Reporter(None, quiet=True))
+    micro = r.micro_batches(r.sampler.next())
+    r.stepper.step(micro, 1e-6)                       # compiles; fills the base-logit cache
+    t = time.perf_counter()
+    r.stepper.step(micro, 1e-6)
+    wall = time.perf_counter() - t
+    ids, labels = micro[0]
+    pos, lab = select(labels)
+    args = [ids, pos, lab, np.ones(1, np.float32)]
+    if r.stepper.base_cache is not None:
+        args.append(r.stepper.base_cache.logits(ids, labels, pos))
+    return table(r.stepper.fn.program(*args), r.model.cfg.vocab_size, wall / len(micro), "sft")
+
+
+def profile_dpo(path=None) -> list[dict]:
+    from vkdsl.models import load_model_files
+    from vkdsl.models.default import default_model_path
+    from vkdsl.models.llama import Llama
+    from . import bench
+    model = Llama(load_model_files(path or default_model_path())[0])
+    step, args = bench.dpo_step_and_inputs(model)
+    step(*args)
+    t = time.perf_counter()
+    step(*args)
+    wall = time.perf_counter() - t
+    return table(step.program(*args), model.cfg.vocab_size, wall, "dpo")
