@@ -18,7 +18,7 @@ BENCHES = {
     "model": ("vkdsl.models.bench:bench_model",
               "SmolLM2 prompt processing and generation tokens/s beside a numpy float32 forward.",
               [click.Option(["--model", "model_path"], default=None, metavar="PATH")]),
-    "train": ("vkdsl.train.bench:bench_train",
+    "train": ("vkdsl.train.profile:bench_or_profile",
               "SmolLM2 training-step speed (SFT at 4 x 256, or DPO at 4 pairs x 64) and device memory.",
               [click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft", show_default=True),
                click.Option(["--profile"], is_flag=True,

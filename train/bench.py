@@ -115,10 +115,7 @@ def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
              "reference": "precomputed once (adapter off), cached"}]
 
 
-def bench_train(objective="sft", path=None, profile=False):
-    if profile:
-        from .profile import profile_dpo, profile_sft
-        return profile_dpo(path) if objective == "dpo" else profile_sft(path)
+def bench_train(objective="sft", path=None):
     ck, tok = load_model_files(path or default_model_path())
     model = Llama(ck)
     if objective == "dpo":

@@ -93,3 +93,11 @@ def profile_dpo(path=None) -> list[dict]:
     step(*args)
     wall = time.perf_counter() - t
     return table(step.program(*args), model.cfg.vocab_size, wall, "dpo")
+
+
+def bench_or_profile(objective="sft", path=None, profile=False) -> list[dict]:
+    """`vkdsl bench train [--objective dpo] [--profile]`: the step's speed, or where its time goes."""
+    from .bench import bench_train
+    if not profile:
+        return bench_train(objective, path)
+    return profile_dpo(path) if objective == "dpo" else profile_sft(path)
