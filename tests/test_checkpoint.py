@@ -122,3 +122,14 @@ def test_resume_before_the_first_checkpoint_starts_from_step_zero(setup, tmp_pat
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if r["event"] == "step"] == [1, 2, 3]
+
+
+def test_a_base_model_with_non_finite_weights_stops_before_training(setup, tmp_path):
+    import vkdsl
+    from vkdsl.train.progress import Reporter
+    from vkdsl.train.trainer import Run
+    r = Run(tiny_cfg(setup), tmp_path / "nan", Reporter(None, quiet=True))
+    w = next(iter(r.model.norm.values()))
+    w.assign(vkdsl.tensor(np.full(w.shape, np.nan, np.float32)))
+    with pytest.raises(ValueError, match=r"not finite before any training: its weights hold NaN or Inf"):
+        r.base_evidence()

@@ -117,6 +117,10 @@ class Run:
             self.r.say(f"base evaluation reused from {cache.name} (same base, tokenizer, data and settings)")
         else:
             self.base = self._scores(adapters_on=False)
+            bad = [k for k in ("heldout_loss", "pres") if not math.isfinite(self.base[k])]
+            if bad:
+                raise ValueError(f"{self.cfg.model or 'the default model'}: the base model's {' and '.join(bad)} is "
+                                 f"not finite before any training: its weights hold NaN or Inf (a damaged file?)")
             checkpoint.atomic_write(cache, json.dumps({"key": key, "base": {
                 k: self.base[k] for k in ("heldout_loss", "acc", "k", "n", "pres")}}).encode())
         self.r.say(f"base evaluation in {time.perf_counter() - t0:.1f}s: held-out loss {self.base['heldout_loss']:.4f}"
