@@ -329,8 +329,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
     r = Run(cfg, run_dir, rep)
     r.preflight()
-    if resume and checkpoint.saved_step(resume) is None and not (Path(resume) / checkpoint.NAME).exists() \
-            and not (Path(resume) / checkpoint.LEGACY).exists():
+    if resume and not any((Path(resume) / n).exists() for n in (checkpoint.NAME, checkpoint.LEGACY)):
         rep.say(f"no checkpoint in {resume} yet: starting from step 0 with its config")
         _mark_resume(run_dir / "metrics.jsonl", 0)
     elif resume:

@@ -66,7 +66,7 @@ def step_name(step) -> str:
         return f"matmul {step.node.shape}"
     if step.kind == "custom":
         return f"{step.node.arg.name} {step.node.shape}"
-    return render.render_step(step).name
+    return render.kernel_name(step)                # the name without rendering the source
 
 
 def record_step(rec, step, buffer_of):

@@ -134,11 +134,16 @@ class Rendered(NamedTuple):
     n_groups: int
 
 
+def kernel_name(step) -> str:
+    """The systematic name of a generated step's kernel: kind and output shape."""
+    return f"{step.kind}_{'x'.join(map(str, step.node.shape)) or 'scalar'}"
+
+
 def render_step(step) -> Rendered:
     """The kernel of one scheduled step (elementwise, reduce or gather): out is binding 0,
     step.inputs follow in order."""
     t = step.node
-    name = f"{step.kind}_{'x'.join(map(str, t.shape)) or 'scalar'}"
+    name = kernel_name(step)
     n = math.prod(t.shape)
     if step.kind == "reduce":
         group = REDUCE_GROUP if t.src[0].shape[t.arg[1]] >= 128 else 1
