@@ -241,7 +241,10 @@ def load(toml_path=None, overrides: dict | None = None) -> TrainConfig:
         for k, v in raw.items():
             if k not in FIELDS:
                 raise _unknown(k, str(toml_path))
-            values[k] = _coerce(k, v)
+            try:
+                values[k] = _coerce(k, v)
+            except ConfigError as e:
+                raise ConfigError(f"{toml_path}: {str(e).removeprefix('config: ')}") from None
     for k, v in (overrides or {}).items():
         if k not in FIELDS:
             raise _unknown(k, "command line")
