@@ -60,18 +60,20 @@ class Llama:
         return y + lo.delta(x) if (lo is not None and adapters_on) else y
 
     def forward(self, ids: Tensor, adapters_on: bool = True, cos=None, sin=None, kv=None, mask=None,
-                hidden_only=False) -> Tensor:
+                hidden_only=False, start: int = 0, stop: int | None = None) -> Tensor:
         """ids: (B, T) int32 -> logits (B, T, vocab).
-        kv: optional KV cache (models.generate.KVCache) for generation."""
+        kv: optional KV cache (models.generate.KVCache) for generation.
+        start > 0: `ids` is instead the residual stream (B, T, dim) entering layer `start`.
+        stop: return the residual stream entering layer `stop` (no final norm, no head)."""
         c = self.cfg
-        B, T = ids.shape
+        B, T = ids.shape[:2]
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
         if cos is None:
             if T > c.context_length:
                 raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
             cos, sin = self._cos[:T], self._sin[:T]
-        x = self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
-        for i in range(c.n_layers):
+        x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
+        for i in range(start, c.n_layers if stop is None else stop):
             p = f"blk.{i}."
             h = nn.rmsnorm(x, self.norm[p + "attn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
             q = nn.rope(self._lin(p + "attn_q", h, adapters_on).reshape(B, T, H, D), cos, sin)
@@ -86,6 +88,8 @@ class Llama:
             h = nn.rmsnorm(x, self.norm[p + "ffn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
             f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
             x = x + self._lin(p + "ffn_down", f, adapters_on).reshape(B, T, c.dim)
+        if stop is not None:
+            return x
         x = nn.rmsnorm(x, self.norm["output_norm.weight"], c.norm_eps)
         if hidden_only:
             return x

@@ -38,6 +38,7 @@ class TrainConfig:
     # objective and optimizer
     tmkl: float = 0.1                                # lambda; 0 = plain SFT (no base forward at all)
     tmkl_cache_bytes: int = 1 << 30                  # base logits kept for TMKL; 0 = a base forward every step
+    prefix_cache_bytes: int = 1 << 30                # outputs of the layers below the first adapter; 0 = off
     lr: float = 1e-3
     warmup: int = 5
     min_lr_ratio: float = 0.1
@@ -83,6 +84,7 @@ class TrainConfig:
             (self.alpha > 0, "alpha must be > 0"),
             (self.tmkl >= 0, "tmkl (lambda) must be >= 0"),
             (self.tmkl_cache_bytes >= 0, "tmkl_cache_bytes must be >= 0"),
+            (self.prefix_cache_bytes >= 0, "prefix_cache_bytes must be >= 0"),
             (self.lr > 0, "lr must be > 0"),
             (self.warmup >= 0, "warmup must be >= 0"),
             (self.warmup <= self.steps or self.objective == "dpo",
@@ -144,6 +146,8 @@ HELP = {
     "tmkl": "lambda of the target-masked KL to the base; 0 = plain SFT (no base forward)",
     "tmkl_cache_bytes": "bytes of host memory for the base model's logits at supervised positions, computed "
                         "once per training row; 0 = a base forward in every step",
+    "prefix_cache_bytes": "bytes of host memory for the output of the layers below the first adapted one, "
+                          "computed once per row and reused by every step and evaluation; 0 = recompute",
     "lr": "peak learning rate (AdamW)",
     "warmup": "linear warm-up steps",
     "min_lr_ratio": "cosine decay floor as a fraction of lr",

@@ -24,6 +24,7 @@ from vkdsl.ops import losses
 from . import checkpoint
 from .data import IGNORE, DataError, Example, collate, encode_row, read_jsonl
 from .evidence import Scorer
+from .prefix import FrozenPrefix
 from .step import HostAdamW, clip, select, selected_logits
 
 LN2 = math.log(2.0)
@@ -65,13 +66,14 @@ def _segments(pos, labels, T, B):
     return seg
 
 
-def build_dpo_step(model, params, beta: float, nll_weight: float):
+def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0):
     """Traced: (chosen ids/pos/labels/segments, rejected ..., ref_margin (P,), inv_nc (1,))
-    -> (loss, policy chosen logp (P,), policy rejected logp (P,), *grads)."""
+    -> (loss, policy chosen logp (P,), policy rejected logp (P,), *grads).
+    start > 0: the ids are the frozen prefix's outputs (train.prefix)."""
     @vkdsl.trace
     def dpo_step(ids_c, pos_c, lab_c, seg_c, ids_r, pos_r, lab_r, seg_r, ref_margin, inv_nc):
-        lpc, _ = losses.token_logprobs(selected_logits(model, ids_c, pos_c, True), lab_c)
-        lpr, _ = losses.token_logprobs(selected_logits(model, ids_r, pos_r, True), lab_r)
+        lpc, _ = losses.token_logprobs(selected_logits(model, ids_c, pos_c, True, start), lab_c)
+        lpr, _ = losses.token_logprobs(selected_logits(model, ids_r, pos_r, True, start), lab_r)
         pc = (seg_c @ lpc.reshape(-1, 1)).reshape(-1)          # (P,) sequence log-probs
         pr = (seg_r @ lpr.reshape(-1, 1)).reshape(-1)
         margin = ((pc - pr) - ref_margin) * beta
@@ -82,10 +84,12 @@ def build_dpo_step(model, params, beta: float, nll_weight: float):
     return dpo_step
 
 
-def _pack(rows, pad, bucket, max_len):
+def _pack(rows, pad, bucket, max_len, prefix=None):
+    """-> (what the step takes for ids: the ids, or the frozen prefix's output), pos, labels, segments."""
     ids, lab = collate(rows, pad, bucket, max_len)
     pos, sl = select(lab, bucket=16)
-    return ids, pos, sl, _segments(pos, sl, ids.shape[1], ids.shape[0])
+    feed = ids if prefix is None else prefix.feed(ids, lab)
+    return feed, pos, sl, _segments(pos, sl, ids.shape[1], ids.shape[0])
 
 
 def reference_logps(scorer, pairs, adapters_on: bool):
@@ -146,11 +150,12 @@ def margin_story(ev: dict) -> str:
 
 
 def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event, reference: str,
-              hashes: dict):
+              hashes: dict, prefix=None):
     """reference: 'base' (adapter off), 'sft' (the adapter as it stands now, frozen), 'none'.
     cfg needs: dpo_beta, dpo_lr, dpo_steps, dpo_batch, dpo_nll_weight, pad/bucket/max_len, clip,
-    betas, eps, weight_decay. Returns (history, final evidence dict)."""
-    scorer = Scorer(model, cfg["pad_id"], cfg["bucket"], cfg["max_len"], cfg["dpo_batch"])
+    betas, eps, weight_decay. prefix: train.prefix.FrozenPrefix. Returns (history, final evidence dict)."""
+    prefix = prefix or FrozenPrefix(model, 0, 0)
+    scorer = Scorer(model, cfg["pad_id"], cfg["bucket"], cfg["max_len"], cfg["dpo_batch"], prefix)
     if reference == "none":
         rc = rr = np.zeros(len(pairs))
         hc = hr = np.zeros(len(heldout))
@@ -162,7 +167,7 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
                                 lambda: reference_logps(scorer, pairs + heldout, on))
         rc, rr = both[0][:len(pairs)], both[1][:len(pairs)]
         hc, hr = both[0][len(pairs):], both[1][len(pairs):]
-    step_fn = build_dpo_step(model, params, cfg["dpo_beta"], cfg["dpo_nll_weight"])
+    step_fn = build_dpo_step(model, params, cfg["dpo_beta"], cfg["dpo_nll_weight"], prefix.start)
     opt = HostAdamW([p.shape for p in params], cfg["betas"], cfg["eps"], cfg["weight_decay"])
     rng = np.random.default_rng(cfg.get("seed", 0))
     order, history = [], []
@@ -172,8 +177,8 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
             order += list(rng.permutation(len(pairs)))
         idx, order = order[:B], order[B:]
         batch = [pairs[i] for i in idx]
-        ic, pc_, lc, sc = _pack([p.chosen for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"])
-        ir, pr_, lr_, sr = _pack([p.rejected for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"])
+        ic, pc_, lc, sc = _pack([p.chosen for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"], prefix)
+        ir, pr_, lr_, sr = _pack([p.rejected for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"], prefix)
         ref = (rc[idx] - rr[idx]).astype(np.float32)
         n_c = max(int((lc != IGNORE).sum()), 1)
         out = step_fn(ic, pc_, lc, sc, ir, pr_, lr_, sr, ref, np.array([1.0 / n_c], np.float32))

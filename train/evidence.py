@@ -13,6 +13,7 @@ import vkdsl
 from vkdsl.ops import losses
 
 from .data import IGNORE, Example, collate
+from .prefix import FrozenPrefix
 from .step import selected_logits
 
 
@@ -29,14 +30,16 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
 class Scorer:
     """Per-row sum of next-token log-probs over supervised positions, adapters on or off."""
 
-    def __init__(self, model, pad_id, bucket, max_len, batch):
+    def __init__(self, model, pad_id, bucket, max_len, batch, prefix=None):
+        """prefix: train.prefix.FrozenPrefix, shared with training (its rows are reused); None: off."""
         self.model, self.pad, self.bucket, self.max_len, self.batch = model, pad_id, bucket, max_len, batch
+        self.prefix = prefix or FrozenPrefix(model, 0, 0)
         self.fns = {on: self._build(on) for on in (True, False)}
 
     def _build(self, on):
         @vkdsl.trace
         def score(ids, pos, labels):
-            lp, _ = losses.token_logprobs(selected_logits(self.model, ids, pos, on), labels)
+            lp, _ = losses.token_logprobs(selected_logits(self.model, ids, pos, on, self.prefix.start), labels)
             return lp
         return score
 
@@ -50,16 +53,18 @@ class Scorer:
             ids, lab = collate(chunk + fill, self.pad, self.bucket, self.max_len)   # one batch shape: fewer programs
             T = ids.shape[1]
             pos, sl, owner = [], [], []
+            scored = np.zeros(ids.shape, bool)
             for i in range(len(chunk)):
                 for t in np.flatnonzero(lab[i] != IGNORE):
                     pos.append(i * T + t), sl.append(lab[i, t]), owner.append((i, -1))
                 for j, (t, tokid) in enumerate((extra[s + i] if extra else [])):
                     pos.append(i * T + t), sl.append(tokid), owner.append((i, j))
+                    scored[i, t] = True
             S = -(-len(pos) // 64) * 64
             p = np.zeros(S, np.int32)
             lb = np.full(S, IGNORE, np.int32)
             p[:len(pos)], lb[:len(pos)] = pos, sl
-            lp = np.asarray(self.fns[adapters_on](ids, p, lb), np.float64)
+            lp = np.asarray(self.fns[adapters_on](self.prefix.feed(ids, lab, scored), p, lb), np.float64)
             for i in range(len(chunk)):
                 mine = [k for k, o in enumerate(owner) if o == (i, -1)]
                 out.append((float(lp[mine].sum()), len(mine)))

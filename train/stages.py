@@ -40,7 +40,8 @@ def dpo_stage(r):
         with open(r.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"event": kind, **rec, "step": cfg.steps + rec.get("step", 0)}) + "\n")
     t0 = time.perf_counter()
-    history, ev = dpo.train_dpo(r.model, r.params, r.tok, dcfg, pairs, held, r.dir, rep.say, event, reference, hashes)
+    history, ev = dpo.train_dpo(r.model, r.params, r.tok, dcfg, pairs, held, r.dir, rep.say, event, reference, hashes,
+                                  r.prefix)
     if base_pres is not None and r.passages:
         ev["preservation_delta"] = r._scores(True)["pres"] - base_pres
     rep.say(f"DPO evidence ({time.perf_counter() - t0:.0f}s):")

@@ -18,6 +18,8 @@ import vkdsl
 from vkdsl.autograd import grad
 from vkdsl.ops import losses
 
+from .prefix import FrozenPrefix
+
 IGNORE = -100
 
 
@@ -33,25 +35,28 @@ def select(labels: np.ndarray, bucket: int = 16):
     return p, lab
 
 
-def selected_logits(model, ids, pos, adapters_on):
-    B, T = ids.shape
-    h = model.forward(ids, adapters_on=adapters_on, hidden_only=True)       # (B, T, dim)
+def selected_logits(model, ids, pos, adapters_on, start=0):
+    """ids: (B, T) token ids, or with start > 0 the residual stream entering layer `start`
+    (train.prefix.FrozenPrefix)."""
+    B, T = ids.shape[:2]
+    h = model.forward(ids, adapters_on=adapters_on, hidden_only=True, start=start)   # (B, T, dim)
     return model.head(h.reshape(B * T, model.cfg.dim).gather(pos))         # (S, V)
 
 
-def build_grad_fn(model, params, lam: float, base_input: bool = False):
+def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0):
     """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, base logits (S,V)]) -> (ce_sum, kl_sum,
-    *grads). base_input: the base model's logits come in (cached) instead of a base forward."""
+    *grads). base_input: the base model's logits come in (cached) instead of a base forward.
+    start > 0: ids is the frozen prefix's output (train.prefix)."""
     @vkdsl.trace
     def grad_step(ids, pos, labels, inv_n, *base):
-        lg = selected_logits(model, ids, pos, True)
+        lg = selected_logits(model, ids, pos, True, start)
         _, per = losses.cross_entropy(lg, labels)
         ce_sum = per.sum()
         obj = ce_sum
         kl_sum = ce_sum * 0.0
         if lam > 0:
             mask = 1.0 - labels.eq(IGNORE)
-            base_lg = base[0] if base_input else selected_logits(model, ids, pos, False)
+            base_lg = base[0] if base_input else selected_logits(model, ids, pos, False, start)
             kl_sum = losses.tmkl(lg, base_lg, labels) * mask.sum()
             obj = ce_sum + kl_sum * lam
         gs = grad((obj * inv_n[0]), params)
@@ -65,13 +70,13 @@ class BaseLogitCache:
     after a row's first visit. Rows are keyed by their tokens up to the last supervised position
     (what those logits depend on, causally), so another data set can never hit a stale entry."""
 
-    def __init__(self, model, budget_bytes: int):
+    def __init__(self, model, budget_bytes: int, start: int = 0):
         self.budget, self.bytes, self.rows = int(budget_bytes), 0, {}
         self.hits = self.misses = 0
 
         @vkdsl.trace
         def base_logits(ids, pos):
-            return selected_logits(model, ids, pos, False)
+            return selected_logits(model, ids, pos, False, start)
         self.fn = base_logits
 
     @staticmethod
@@ -80,13 +85,14 @@ class BaseLogitCache:
         end = int(sup[-1]) + 1 if len(sup) else 0
         return hashlib.sha256(ids_row[:end].tobytes() + b"|" + lab_row[:end].tobytes()).digest()
 
-    def logits(self, ids: np.ndarray, labels: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """(S, V) base logits in select()'s order for this micro-batch (padding rows zero)."""
+    def logits(self, ids: np.ndarray, labels: np.ndarray, pos: np.ndarray, feed=None) -> np.ndarray:
+        """(S, V) base logits in select()'s order for this micro-batch (padding rows zero).
+        feed: what the traced function takes for ids (the frozen prefix's output), when not ids."""
         keys = [self.key(ids[b], labels[b]) for b in range(ids.shape[0])]
         counts = [int((labels[b] != IGNORE).sum()) for b in range(ids.shape[0])]
         if any(k not in self.rows for k in keys):
             self.misses += 1
-            full = np.asarray(self.fn(ids, pos), np.float32)
+            full = np.asarray(self.fn(ids if feed is None else feed, pos), np.float32)
             off = 0
             for k, n in zip(keys, counts):
                 rows = full[off:off + n]
@@ -145,11 +151,14 @@ def clip(gs, max_norm):
 class Stepper:
     """Accumulates micro-batch gradients and applies one AdamW update per optimizer step."""
 
-    def __init__(self, model, params, cfg):
-        self.model, self.params, self.cfg = model, params, cfg
+    def __init__(self, model, params, cfg, prefix=None):
+        """prefix: train.prefix.FrozenPrefix (None: the whole model every step)."""
+        prefix = prefix or FrozenPrefix(model, 0, 0)
+        self.model, self.params, self.cfg, self.prefix = model, params, cfg, prefix
         budget = getattr(cfg, "tmkl_cache_bytes", 0)
-        self.base_cache = BaseLogitCache(model, budget) if cfg.tmkl > 0 and budget > 0 else None
-        self.fn = build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None)
+        self.base_cache = BaseLogitCache(model, budget, prefix.start) if cfg.tmkl > 0 and budget > 0 else None
+        self.fn = build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None,
+                                start=prefix.start)
         self.opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
 
     def grads(self, micro, n_total):
@@ -159,8 +168,9 @@ class Stepper:
         inv = np.array([1.0 / n_total], np.float32)
         for ids, labels in micro:
             pos, lab = select(labels)
-            base = () if self.base_cache is None else (self.base_cache.logits(ids, labels, pos),)
-            out = self.fn(ids, pos, lab, inv, *base)
+            x = self.prefix.feed(ids, labels)
+            base = () if self.base_cache is None else (self.base_cache.logits(ids, labels, pos, x),)
+            out = self.fn(x, pos, lab, inv, *base)
             ce, kl = ce + float(out[0]), kl + float(out[1])
             gs = [np.asarray(g, np.float32) for g in out[2:]]
             acc = gs if acc is None else [a + g for a, g in zip(acc, gs)]

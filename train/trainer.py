@@ -18,6 +18,7 @@ from . import checkpoint, evidence
 from .data import (IGNORE, DataError, Sampler, check_batches, collate, encode_row, load_examples,
                    load_passages, with_completion)
 from .inject import count_report, inject, params_of
+from .prefix import FrozenPrefix, first_adapted_layer
 from .progress import Reporter
 from .schedule import checkpoints as lr_points
 from .schedule import lr_at
@@ -54,9 +55,13 @@ class Run:
             n = sum(r.truncated for r in rows)
             self.r.say(f"{what}: {len(rows)} rows, {n} truncated ({cfg.truncation_side} side, max_len {cfg.max_len})")
         self.r.say(f"preservation: {len(self.passages)} passages")
-        self.stepper = Stepper(self.model, self.params, cfg)
+        self.prefix = FrozenPrefix(self.model, first_adapted_layer(self.names), cfg.prefix_cache_bytes)
+        if self.prefix.start:
+            self.r.say(f"layers 0-{self.prefix.start - 1} carry no adapter: their output is computed once per row "
+                       f"and reused (prefix cache, up to {cfg.prefix_cache_bytes / 2**20:.0f} MiB)")
+        self.stepper = Stepper(self.model, self.params, cfg, self.prefix)
         self.sampler = Sampler(self.train, cfg.batch_size * cfg.grad_accum, cfg.data_seed)
-        self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch)
+        self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix)
         self.init_sum = evidence.checksum([p.numpy() for p in self.params])
         self.step, self.first_loss, self.last_loss = 0, None, None
 

@@ -1,0 +1,64 @@
+"""The frozen prefix: layers below the first adapted one never change during training, so the
+residual stream entering that layer is a function of the row's tokens alone. It is computed once
+per row (adapter-free, exact) and fed to every later forward -- SFT steps, TMKL's base logits,
+evaluation, DPO and its reference -- which then run only the adapted layers.
+
+Causal attention makes position t depend on tokens 0..t only, so a row is keyed by its tokens up
+to its last scored position; later positions (right padding) are fed zeros, which no scored
+position can see. Another data set, template or length can therefore never hit a stale entry."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+import vkdsl
+
+IGNORE = -100
+
+
+def first_adapted_layer(names: list[str]) -> int:
+    return min(int(n.split(".")[1]) for n in names) if names else 0
+
+
+class FrozenPrefix:
+    """feed(ids, labels) -> what the traced functions take: the ids themselves when start == 0,
+    else the (B, T, dim) residual stream entering layer `start`."""
+
+    def __init__(self, model, start: int, budget_bytes: int):
+        self.model, self.start = model, start if budget_bytes > 0 else 0
+        self.budget, self.bytes, self.rows = int(budget_bytes), 0, {}
+        self.hits = self.misses = 0
+        self.fn = vkdsl.trace(lambda ids: model.forward(ids, stop=self.start)) if self.start else None
+
+    @staticmethod
+    def key(ids_row: np.ndarray, scored: np.ndarray) -> tuple[bytes, int]:
+        sup = np.flatnonzero(scored)
+        end = int(sup[-1]) + 1 if len(sup) else 0
+        return hashlib.sha256(ids_row[:end].tobytes()).digest(), end
+
+    def feed(self, ids: np.ndarray, labels: np.ndarray, extra_scored: np.ndarray | None = None) -> np.ndarray:
+        """labels (B, T): positions with a label are scored; extra_scored (B, T) bool marks more."""
+        if not self.start:
+            return ids
+        scored = labels != IGNORE
+        if extra_scored is not None:
+            scored = scored | extra_scored
+        B, T = ids.shape
+        keys = [self.key(ids[b], scored[b]) for b in range(B)]
+        out = np.zeros((B, T, self.model.cfg.dim), np.float32)
+        if all(k in self.rows for k, _ in keys):
+            self.hits += B
+        else:
+            self.misses += 1
+            full = np.asarray(self.fn(ids), np.float32)
+            for b, (k, end) in enumerate(keys):
+                if k not in self.rows and self.bytes + 4 * end * out.shape[2] <= self.budget:
+                    self.rows[k] = full[b, :end].copy()
+                    self.bytes += self.rows[k].nbytes
+            for b, (_, end) in enumerate(keys):
+                out[b, :end] = full[b, :end]
+            return out
+        for b, (k, end) in enumerate(keys):
+            out[b, :end] = self.rows[k]
+        return out
