@@ -65,6 +65,9 @@ def test_booleans_layers_and_warmup_written_wrong(capsys):
     assert "--verify takes no value: write --verify to turn it on or --no-verify" in capsys.readouterr().err
     with pytest.raises(InjectError, match="'5-2' is reversed"):
         parse_layers("5-2", 30)
+    assert parse_layers("last:10", 30) == list(range(20, 30)) and parse_layers("last:10", 2) == [0, 1]
+    with pytest.raises(InjectError, match="'last:0' needs a positive count"):
+        parse_layers("last:0", 30)
     with pytest.raises(ConfigError, match=r"warmup \(100\) must not exceed steps \(10\)"):
         TrainConfig(warmup=100, steps=10).validate()
 

@@ -48,6 +48,22 @@ def test_flags_override_toml(tmp_path):
     assert json.loads(cfg.dumps())["rank"] == 3
 
 
+def test_toml_files_are_relative_to_the_toml(tmp_path):
+    (tmp_path / "cfg").mkdir()
+    p = tmp_path / "cfg" / "c.toml"
+    p.write_text('train_file = "../data/t.jsonl"\nheldout_file = "/abs/h.jsonl"\nout = "runs/x"\n')
+    cfg = C.load(p)
+    assert cfg.train_file == str(tmp_path / "cfg" / "../data/t.jsonl") and cfg.heldout_file == "/abs/h.jsonl"
+    assert cfg.out == "runs/x"                        # the run folder stays relative to where it runs
+
+
+def test_the_example_config_names_files_that_exist():
+    from pathlib import Path
+    cfg = C.load(Path(__file__).parent.parent / "examples" / "priority.toml")
+    for f in ("train_file", "heldout_file", "dpo_train_file", "dpo_heldout_file"):
+        assert Path(getattr(cfg, f)).is_file(), f
+
+
 def test_lr_schedule_values():
     cfg = C.TrainConfig(lr=1e-3, warmup=10, steps=110, min_lr_ratio=0.1)
     assert lr_at(5, cfg) == pytest.approx(5e-4)

@@ -21,17 +21,20 @@ class ConfigError(ValueError):
 class TrainConfig:
     # model and data
     model: str = ""                                  # "" = the default SmolLM2 GGUF
-    train_file: str = str(DATA / "tickets_train.jsonl")
-    heldout_file: str = str(DATA / "tickets_heldout.jsonl")
+    train_file: str = str(DATA / "routing_train.jsonl")
+    heldout_file: str = str(DATA / "routing_heldout.jsonl")
     preservation_file: str = str(DATA / "preservation.jsonl")
-    labels: list = field(default_factory=lambda: ["low", "medium", "high", "critical"])
+    labels: list = field(default_factory=lambda: ["payment", "account", "tech", "product"])
     chat_template: bool = True                       # wrap prompt/completion as user/assistant turns
     max_len: int = 96
     truncation_side: str = "left"                    # left: drop the prompt's start; right: the completion's end
-    bucket: int = 32                                 # pad lengths to multiples: few compiled programs
+    bucket: int = 16                                 # pad lengths to multiples: few compiled programs
     # adapter
-    targets: list = field(default_factory=lambda: ["attn_q", "attn_v"])
-    layers: str = ""                                 # "" = all, else "0-3,7"
+    # the top third of SmolLM2's 30 layers, every projection but k: layers below the first adapter
+    # run once per row (prefix cache), so a step costs a third of the model (BENCHMARKS.md)
+    targets: list = field(default_factory=lambda: ["attn_q", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                                                   "ffn_down"])
+    layers: str = "last:10"                          # "" = all; "0-3,7"; "last:N" = the top N
     rank: int = 8
     alpha: float = 16.0
     rslora: bool = False
@@ -39,10 +42,10 @@ class TrainConfig:
     tmkl: float = 0.1                                # lambda; 0 = plain SFT (no base forward at all)
     tmkl_cache_bytes: int = 1 << 30                  # base logits kept for TMKL; 0 = a base forward every step
     prefix_cache_bytes: int = 1 << 30                # outputs of the layers below the first adapter; 0 = off
-    lr: float = 1e-3
-    warmup: int = 5
+    lr: float = 2e-3
+    warmup: int = 3
     min_lr_ratio: float = 0.1
-    steps: int = 40
+    steps: int = 24
     batch_size: int = 4                              # rows per micro-batch
     grad_accum: int = 1                              # micro-batches per optimizer step
     betas: list = field(default_factory=lambda: [0.9, 0.999])
@@ -53,20 +56,22 @@ class TrainConfig:
     data_seed: int = 0                               # data order
     # preference stage (DPO); objective sft = SFT only, dpo = DPO only, sft+dpo = SFT then DPO
     objective: str = "sft+dpo"
-    dpo_train_file: str = str(DATA / "prefs_train.jsonl")
-    dpo_heldout_file: str = str(DATA / "prefs_heldout.jsonl")
-    dpo_steps: int = 12
+    dpo_train_file: str = str(DATA / "routing_prefs_train.jsonl")
+    dpo_heldout_file: str = str(DATA / "routing_prefs_heldout.jsonl")
+    dpo_steps: int = 8
     dpo_beta: float = 0.1
     dpo_lr: float = 5e-4
     dpo_batch: int = 4
     dpo_nll_weight: float = 0.0                      # optional NLL on the chosen responses
     reference: str = "auto"                          # auto: the SFT adapter after SFT, else the base; base; none
     # evidence, checkpoints, output
-    eval_every: int = 20
+    eval_every: int = 0
     eval_batch: int = 8
     checkpoint_every: int = 10
     merge_check_rows: int = 2
-    gate_heldout_acc: float = 0.5                    # held-out label accuracy must exceed this
+    gate_heldout_acc: float = 0.5                    # held-out label accuracy must exceed this (and its
+                                                     # Wilson lower bound the base's accuracy)
+    gate_dpo_pair_acc: float = 0.5                   # DPO: held-out pair accuracy must exceed this
     gate_preservation: float = 0.10                  # preservation loss may rise at most this (nats/token)
     gate_train_drop: float = 0.0                     # final train loss must be below the first by more
     gate_merge: float = 1e-2                         # merged-vs-separate max logit difference
@@ -139,7 +144,7 @@ HELP = {
     "truncation_side": "left: drop the prompt's start; right: the completion's end",
     "bucket": "pad lengths to multiples of this (few compiled programs)",
     "targets": "comma-separated module patterns the adapters go on (attn_q, q_proj, ...)",
-    "layers": "layers to adapt: '' = all, else e.g. 0-3,7",
+    "layers": "layers to adapt: '' = all, e.g. 0-3,7, or last:N for the top N layers",
     "rank": "LoRA rank r",
     "alpha": "LoRA alpha (scale alpha/r, or alpha/sqrt(r) with rslora)",
     "rslora": "rank-stabilized scale alpha/sqrt(r)",
@@ -173,7 +178,9 @@ HELP = {
     "eval_batch": "rows per evaluation batch",
     "checkpoint_every": "steps between checkpoints; 0 = only at the end",
     "merge_check_rows": "rows on which merged and separate logits are compared",
-    "gate_heldout_acc": "gate: held-out label accuracy must exceed this",
+    "gate_heldout_acc": "gate: held-out label accuracy must exceed this, and its Wilson 95% lower bound the "
+                        "base model's accuracy",
+    "gate_dpo_pair_acc": "gate: DPO held-out pair accuracy (chosen above rejected) must exceed this",
     "gate_preservation": "gate: preservation loss may rise at most this (nats/token)",
     "gate_train_drop": "gate: the final train loss must be below the first by more than this",
     "gate_merge": "gate: merged-vs-separate max logit difference",
@@ -218,6 +225,10 @@ def _coerce(name, value):
         raise ConfigError(f"config: {name}={value!r} is not a valid {type(default).__name__}") from None
 
 
+# input files a TOML config may name relative to itself
+FILE_FIELDS = ("model", "train_file", "heldout_file", "preservation_file", "dpo_train_file", "dpo_heldout_file")
+
+
 def _unknown(key, where):
     near = [k for k in FIELDS if k.startswith(key[:3])]
     hint = f" (did you mean {', '.join(near)}?)" if near else ""
@@ -249,6 +260,8 @@ def load(toml_path=None, overrides: dict | None = None) -> TrainConfig:
                 values[k] = _coerce(k, v)
             except ConfigError as e:
                 raise ConfigError(f"{toml_path}: {str(e).removeprefix('config: ')}") from None
+            if k in FILE_FIELDS and values[k] and not Path(values[k]).is_absolute():
+                values[k] = str(Path(toml_path).parent / values[k])     # relative to the config file
     for k, v in (overrides or {}).items():
         if k not in FIELDS:
             raise _unknown(k, "command line")

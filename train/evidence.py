@@ -144,8 +144,11 @@ def merged_check(model, ckpt, name, ids: np.ndarray):
 def gates(ev, first_loss, cfg):
     g = []
     if ev.get("heldout_acc") is not None:
-        g.append(("held-out accuracy", ev["heldout_acc"] > cfg.gate_heldout_acc,
-                  f"{ev['heldout_acc']:.3f} > {cfg.gate_heldout_acc}"))
+        # better than the base beyond sampling noise: the Wilson 95% lower bound clears the base's accuracy
+        lo, base = ev["heldout_acc_ci"][0], ev.get("heldout_acc_base")
+        ok = ev["heldout_acc"] > cfg.gate_heldout_acc and (base is None or lo > base)
+        g.append(("held-out accuracy", ok, f"{ev['heldout_acc']:.3f} > {cfg.gate_heldout_acc}"
+                  + ("" if base is None else f", Wilson 95% lower bound {lo:.3f} > base {base:.3f}")))
     g.append(("preservation damage", ev["preservation_delta"] <= cfg.gate_preservation,
               f"{ev['preservation_delta']:+.4f} <= {cfg.gate_preservation} nats/token"))
     g.append(("train loss fell", first_loss - ev["train_loss"] > cfg.gate_train_drop,
@@ -154,6 +157,18 @@ def gates(ev, first_loss, cfg):
     if ev.get("merge_max_diff") is not None:
         g.append(("merged == separate", ev["merge_max_diff"] <= cfg.gate_merge,
                   f"max diff {ev['merge_max_diff']:.2e} <= {cfg.gate_merge}"))
+    return g
+
+
+def dpo_gates(ev, cfg):
+    g = []
+    held = ev.get("heldout")
+    if held:
+        g.append(("DPO held-out pairs", held["pair_accuracy"] > cfg.gate_dpo_pair_acc,
+                  f"pair accuracy {held['pair_accuracy']:.3f} > {cfg.gate_dpo_pair_acc} over {held['pairs']} pairs"))
+    if "preservation_delta" in ev:
+        g.append(("preservation after DPO", ev["preservation_delta"] <= cfg.gate_preservation,
+                  f"{ev['preservation_delta']:+.4f} <= {cfg.gate_preservation} nats/token"))
     return g
 
 

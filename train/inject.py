@@ -18,6 +18,11 @@ class InjectError(ValueError):
 def parse_layers(spec: str, n_layers: int) -> list[int]:
     if not spec.strip():
         return list(range(n_layers))
+    if spec.strip().startswith("last:"):
+        n = spec.strip()[5:]
+        if not n.isdigit() or int(n) < 1:
+            raise InjectError(f"layers: {spec!r} needs a positive count (e.g. last:10)")
+        return list(range(max(0, n_layers - int(n)), n_layers))
     out = set()
     for part in spec.split(","):
         a, _, b = part.strip().partition("-")

@@ -8,7 +8,7 @@ import time
 
 import vkdsl
 
-from . import checkpoint, dpo
+from . import checkpoint, dpo, evidence
 from .report import build_report
 
 
@@ -57,6 +57,13 @@ def dpo_stage(r):
     with open(r.dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"event": "dpo_evidence", "step": cfg.steps + cfg.dpo_steps,
                             **{f"dpo_{k}": v for k, v in ev.items() if v is not None}}) + "\n")
+    more = evidence.dpo_gates(ev, cfg)
+    for name, ok, why in more:
+        rep.say(f"  {'PASS' if ok else 'FAIL'}  {name}: {why}")
+    r.gates = list(r.gates) + more
+    rep.event("gates", gates=[{"gate": n, "pass": ok, "detail": w} for n, ok, w in r.gates])
+    checkpoint.atomic_write(r.dir / "gates.json", json.dumps(
+        [{"gate": n, "pass": ok, "detail": w} for n, ok, w in r.gates], indent=1).encode())
     return ev
 
 
