@@ -84,7 +84,9 @@ def _run(config_path, resume, over) -> int:
     r = run(cfg, out, resume=resume)
     dpo_ev = dpo_stage(r) if "dpo" in cfg.objective else None
     export(r, dpo_ev)
-    r.r.say(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training {r.train_seconds:.0f}s)")
+    from vkdsl.trace import BUILT
+    r.r.say(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training {r.train_seconds:.0f}s; "
+            f"{BUILT['programs']} device programs built in {BUILT['seconds']:.0f}s)")
     return 0 if all(ok for _, ok, _ in r.gates) else 2
 
 

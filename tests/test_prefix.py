@@ -78,3 +78,18 @@ def test_over_budget_recomputes(tiny):
     st.step([(ids, lab)], cfg.lr)
     st.step([(ids, lab)], cfg.lr)
     assert prefix.bytes == 0 and prefix.misses == 2 and prefix.hits == 0
+
+
+def test_merged_check_from_the_prefix(tiny):
+    # merged-vs-separate logits starting at the first adapted layer equal the whole-model check
+    from vkdsl.train.evidence import merged_check
+    import vkdsl
+    m, params, cfg, prefix = adapted(tiny, 1 << 30)
+    rng = np.random.default_rng(3)
+    for p in params:                                  # a non-zero update, so the merge matters
+        p.assign(vkdsl.tensor(rng.normal(0, 0.05, p.shape).astype(np.float32)))
+    ck = load_model_files(tiny.gguf_path)[0]
+    ids = rng.integers(3, 300, (2, 12)).astype(np.int32)
+    whole = merged_check(m, ck, "blk.1.attn_q", ids)
+    part = merged_check(m, ck, "blk.1.attn_q", ids, prefix)
+    assert prefix.misses == 1 and whole[0] < 1e-3 and part[0] < 1e-3 and part[1] == whole[1] == 1.0

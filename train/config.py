@@ -58,7 +58,7 @@ class TrainConfig:
     objective: str = "sft+dpo"
     dpo_train_file: str = str(DATA / "routing_prefs_train.jsonl")
     dpo_heldout_file: str = str(DATA / "routing_prefs_heldout.jsonl")
-    dpo_steps: int = 8
+    dpo_steps: int = 6
     dpo_beta: float = 0.1
     dpo_lr: float = 5e-4
     dpo_batch: int = 4

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,7 +156,8 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
     cfg needs: dpo_beta, dpo_lr, dpo_steps, dpo_batch, dpo_nll_weight, pad/bucket/max_len, clip,
     betas, eps, weight_decay. prefix: train.prefix.FrozenPrefix. Returns (history, final evidence dict)."""
     prefix = prefix or FrozenPrefix(model, 0, 0)
-    scorer = Scorer(model, cfg["pad_id"], cfg["bucket"], cfg["max_len"], cfg["dpo_batch"], prefix)
+    scorer = Scorer(model, cfg["pad_id"], cfg["bucket"], cfg["max_len"], cfg.get("eval_batch", cfg["dpo_batch"]),
+                    prefix)
     if reference == "none":
         rc = rr = np.zeros(len(pairs))
         hc = hr = np.zeros(len(heldout))
@@ -163,8 +165,10 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
         on = reference == "sft"
         adapter_sum = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest() if on else "off"
         key = cache_key(hashes["base"], hashes["tokenizer"], hashes["template"], pairs + heldout, reference, adapter_sum)
+        t0 = time.perf_counter()
         both = cached_reference(run_dir / "dpo_reference.json", key,
                                 lambda: reference_logps(scorer, pairs + heldout, on))
+        say(f"DPO reference log-probs of {len(pairs) + len(heldout)} pairs in {time.perf_counter() - t0:.1f}s")
         rc, rr = both[0][:len(pairs)], both[1][:len(pairs)]
         hc, hr = both[0][len(pairs):], both[1][len(pairs):]
     step_fn = build_dpo_step(model, params, cfg["dpo_beta"], cfg["dpo_nll_weight"], prefix.start)
@@ -173,6 +177,7 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
     order, history = [], []
     B = cfg["dpo_batch"]
     for step in range(1, cfg["dpo_steps"] + 1):
+        t0 = time.perf_counter()
         if len(order) < B:
             order += list(rng.permutation(len(pairs)))
         idx, order = order[:B], order[B:]
@@ -194,10 +199,11 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
         new = opt.update([p.numpy() for p in params], gs, lr)
         for p, a in zip(params, new):
             p.assign(vkdsl.tensor(a))
-        rec = {"step": step, "stage": "dpo", "dpo_loss": loss, "grad_norm": norm, "lr": lr}
+        rec = {"step": step, "stage": "dpo", "dpo_loss": loss, "grad_norm": norm, "lr": lr,
+               "time": time.perf_counter() - t0}
         history.append(rec)
         event("dpo_step", **rec)
-        say(f"dpo step {step}/{cfg['dpo_steps']} loss {loss:.4f} |g| {norm:.3g}")
+        say(f"dpo step {step}/{cfg['dpo_steps']} loss {loss:.4f} |g| {norm:.3g}  {rec['time']:.1f}s")
     train_ev = dpo_evidence(scorer, pairs, rc, rr)
     held_ev = dpo_evidence(scorer, heldout, hc, hr) if heldout else None
     return history, {"train": train_ev, "heldout": held_ev}

@@ -122,20 +122,23 @@ def spectrum(model, names, top=4):
     return out
 
 
-def merged_check(model, ckpt, name, ids: np.ndarray):
+def merged_check(model, ckpt, name, ids: np.ndarray, prefix=None):
     """Whole-model logits on a small held-out batch: the adapted module `name` replaced by a
     dense numpy-dequantized copy of W + (s A B)^T with its adapter removed, vs the separate
-    path (packed W, adapter beside it). -> (max abs logit diff, argmax agreement)."""
+    path (packed W, adapter beside it). -> (max abs logit diff, argmax agreement).
+    prefix: the frozen prefix (train.prefix) the adapted layers start from."""
     from vkdsl.models.weights import Dense
     lo = model.lora[name]
     W = ckpt[name + ".weight"].dequantize().astype(np.float64)                 # (out, in)
     merged = W + lo.scale * (lo.A.numpy().astype(np.float64) @ lo.B.numpy().astype(np.float64)).T
-    x = vkdsl.tensor(ids.astype(np.int32))
-    sep = model.forward(x).numpy()
+    start = prefix.start if prefix is not None else 0
+    feed = prefix.feed(ids, np.zeros_like(ids)) if start else ids.astype(np.int32)   # every position scored
+    x = vkdsl.tensor(feed)
+    sep = model.forward(x, start=start).numpy()
     orig = model.linear[name]
     model.linear[name], model.lora[name] = Dense(merged.astype(np.float32), name + ".merged"), None
     try:
-        mer = model.forward(x).numpy()
+        mer = model.forward(x, start=start).numpy()
     finally:
         model.linear[name], model.lora[name] = orig, lo
     return float(np.abs(mer - sep).max()), float((mer.argmax(-1) == sep.argmax(-1)).mean())

@@ -30,7 +30,7 @@ def dpo_stage(r):
             f"{ {'sft': 'the SFT adapter, frozen', 'base': 'the base (adapter off)', 'none': 'none (control)'}[reference]}")
     hashes = {"base": r.identity["base_sha256"], "tokenizer": r.identity["tokenizer_sha256"],
               "template": _hash_text(r.tok.chat_template)}
-    dcfg = dict(pad_id=r.pad, bucket=cfg.bucket, max_len=cfg.max_len, dpo_batch=cfg.dpo_batch, dpo_beta=cfg.dpo_beta,
+    dcfg = dict(pad_id=r.pad, bucket=cfg.bucket, max_len=cfg.max_len, dpo_batch=cfg.dpo_batch, eval_batch=cfg.eval_batch, dpo_beta=cfg.dpo_beta,
                 dpo_lr=cfg.dpo_lr, dpo_steps=cfg.dpo_steps, dpo_nll_weight=cfg.dpo_nll_weight, clip=cfg.clip,
                 betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, seed=cfg.data_seed)
     base_pres = r.base["pres"] if getattr(r, "base", None) else None

@@ -221,7 +221,7 @@ class Run:
         T = min(len(r.ids) for r in rows)
         ids = np.array([r.ids[:T] for r in rows], np.int32)
         name = self.names[0]
-        d, agree = evidence.merged_check(self.model, self.ckpt, name, ids)
+        d, agree = evidence.merged_check(self.model, self.ckpt, name, ids, self.prefix)
         return {"merge_max_diff": d, "merge_argmax": agree, "merge_module": name}
 
     # ---- the loop ----

@@ -5,6 +5,8 @@ schedules the graph, compiles its kernels, allocates its buffers and records one
 buffer. Later calls upload the inputs, submit, wait and read the outputs."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .graph import DTYPES
@@ -25,6 +27,11 @@ def _flatten(out):
     raise TypeError(f"a traced function must return tensors (or a tuple/list/dict of them), got {type(out)}")
 
 
+# programs built by every Traced in this process, and the seconds spent building them (trace,
+# schedule, compile, allocate, record): a run reports it, so first-call cost is never hidden
+BUILT = {"programs": 0, "seconds": 0.0}
+
+
 class Traced:
     def __init__(self, fn, device=None, guard_bytes: int = 0):
         self.fn, self.device, self.guard_bytes = fn, device, guard_bytes
@@ -37,6 +44,7 @@ class Traced:
         arrays = [_as_input(a, i) for i, a in enumerate(arrays)]
         key = self._key(arrays)
         if key not in self.programs:
+            t0 = time.perf_counter()
             holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype]) for i, a in enumerate(arrays)]
             with capturing() as cap:
                 out = self.fn(*holders)
@@ -47,6 +55,8 @@ class Traced:
             prog = Program(outs, holders, cap.assigns, device=self.device, label=getattr(self.fn, "__name__", "trace"),
                            guard_bytes=self.guard_bytes)
             self.programs[key] = (prog, rebuild)
+            BUILT["programs"] += 1
+            BUILT["seconds"] += time.perf_counter() - t0
         return self.programs[key], arrays
 
     def __call__(self, *arrays):
