@@ -111,6 +111,19 @@ def test_chat_mask_covers_assistant_and_end_of_turn(tok):
             assert t == ex.ids[i + 1]
 
 
+def test_a_row_system_turn_replaces_the_default(tok):
+    plain = encode_row({"prompt": "Is it down?", "completion": "high"}, tok, True, 200, "left", "x:1")
+    own = encode_row({"prompt": "Is it down?", "completion": "high", "system": "Route tickets."}, tok, True, 200,
+                     "left", "x:2")
+    assert "named SmolLM" in tok.decode(plain.ids) and "named SmolLM" not in tok.decode(own.ids)
+    assert tok.decode(own.ids).startswith("<|im_start|>system\nRoute tickets.<|im_end|>")
+    assert [t for t in own.labels if t != IGNORE] == [t for t in plain.labels if t != IGNORE]
+    with pytest.raises(DataError, match="x:3: field 'system' needs a chat template"):
+        encode_row({"prompt": "a", "completion": "b", "system": "s"}, tok, False, 200, "left", "x:3")
+    with pytest.raises(DataError, match="x:4: field 'system' is missing or empty"):
+        encode_row({"prompt": "a", "completion": "b", "system": ""}, tok, True, 200, "left", "x:4")
+
+
 def test_collate_pads_to_bucket_and_masks(tok):
     rows = [Example([5, 6, 7], [6, 7, IGNORE], "", "a"), Example([5] * 20, [IGNORE] * 19 + [9], "", "b")]
     ids, lab = collate(rows, tok.pad_id, 16, 64)

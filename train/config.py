@@ -39,13 +39,13 @@ class TrainConfig:
     alpha: float = 16.0
     rslora: bool = False
     # objective and optimizer
-    tmkl: float = 0.1                                # lambda; 0 = plain SFT (no base forward at all)
+    tmkl: float = 0.3                                # lambda; 0 = plain SFT (no base forward at all)
     tmkl_cache_bytes: int = 1 << 30                  # base logits kept for TMKL; 0 = a base forward every step
     prefix_cache_bytes: int = 1 << 30                # outputs of the layers below the first adapter; 0 = off
     lr: float = 2e-3
-    warmup: int = 3
+    warmup: int = 2
     min_lr_ratio: float = 0.1
-    steps: int = 24
+    steps: int = 16
     batch_size: int = 4                              # rows per micro-batch
     grad_accum: int = 1                              # micro-batches per optimizer step
     betas: list = field(default_factory=lambda: [0.9, 0.999])
@@ -135,7 +135,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # One line of help per setting: `vkdsl-train --help` is generated from FIELDS and this table.
 HELP = {
     "model": "GGUF file or Hugging Face folder ('' = the installed SmolLM2-135M-Instruct)",
-    "train_file": "SFT rows, JSONL: prompt/completion or messages",
+    "train_file": "SFT rows, JSONL: prompt/completion (optionally system) or messages",
     "heldout_file": "held-out rows (same format) for accuracy and loss evidence",
     "preservation_file": "JSONL rows of plain text whose loss must not rise (preservation)",
     "labels": "comma-separated label set the completions are scored against",

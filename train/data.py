@@ -86,8 +86,13 @@ def _segments(obj, tok, use_template, where):
     else:
         prompt, completion = _text(obj, "prompt", where), _text(obj, "completion", where)
         if not use_template:
+            if "system" in obj:
+                raise DataError(f"{where}: field 'system' needs a chat template (the model has none, or "
+                                f"chat_template is off)")
             return [(prompt, False), (completion, True)], None
         msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        if "system" in obj:                      # a row's own system turn instead of the template's default
+            msgs.insert(0, {"role": "system", "content": _text(obj, "system", where)})
     segs, done = [], ""
     for i, m in enumerate(msgs):
         if m["role"] == "assistant":

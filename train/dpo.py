@@ -49,7 +49,8 @@ def load_pairs(path, tok, use_template, max_len, side) -> tuple[list[Pair], int]
         if obj["chosen"].strip() == obj["rejected"].strip():
             same += 1                     # no preference signal: counted and warned, not trained on
             continue
-        row = {"prompt": obj["prompt"], "category": obj.get("category", "")}
+        row = {"prompt": obj["prompt"], "category": obj.get("category", ""),
+               **({"system": obj["system"]} if "system" in obj else {})}
         c = encode_row(dict(row, completion=obj["chosen"]), tok, use_template, max_len, side, where + " (chosen)")
         r = encode_row(dict(row, completion=obj["rejected"]), tok, use_template, max_len, side,
                        where + " (rejected)")
@@ -109,14 +110,18 @@ def cache_key(base_sha: str, tok_hash: str, template_hash: str, pairs, reference
     return h.hexdigest()
 
 
-def cached_reference(path: Path, key: str, compute):
-    """Load the cached reference log-probs if their hashes match; refuse a stale cache."""
+def cached_reference(path: Path, key: str, compute, say=lambda s: None):
+    """The cached reference log-probs when their hashes match; a cache made for other inputs (or
+    unreadable) is never used: it is said, recomputed and replaced."""
     if path.is_file():
-        obj = json.loads(path.read_text())
-        if obj.get("key") != key:
-            raise ValueError(f"{path}: the cached DPO reference was computed for other inputs (base, tokenizer, "
-                             f"template, masks or reference adapter changed); delete it to recompute")
-        return np.array(obj["chosen"]), np.array(obj["rejected"])
+        try:
+            obj = json.loads(path.read_text())
+        except (OSError, ValueError):
+            obj = {}
+        if isinstance(obj, dict) and obj.get("key") == key:
+            return np.array(obj["chosen"]), np.array(obj["rejected"])
+        say(f"{path.name}: the cached DPO reference was computed for other inputs (base, tokenizer, template, "
+            f"masks or reference adapter differ, or the file is damaged): recomputed")
     rc, rr = compute()
     checkpoint.atomic_write(path, json.dumps({"key": key, "chosen": rc.tolist(), "rejected": rr.tolist()}).encode())
     return rc, rr
@@ -167,7 +172,7 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
         key = cache_key(hashes["base"], hashes["tokenizer"], hashes["template"], pairs + heldout, reference, adapter_sum)
         t0 = time.perf_counter()
         both = cached_reference(run_dir / "dpo_reference.json", key,
-                                lambda: reference_logps(scorer, pairs + heldout, on))
+                                lambda: reference_logps(scorer, pairs + heldout, on), say)
         say(f"DPO reference log-probs of {len(pairs) + len(heldout)} pairs in {time.perf_counter() - t0:.1f}s")
         rc, rr = both[0][:len(pairs)], both[1][:len(pairs)]
         hc, hr = both[0][len(pairs):], both[1][len(pairs):]
