@@ -87,6 +87,13 @@ def test_cli_run_writes_evidence_and_gates(setup, tmp_path, capsys):
     assert ev["merge_max_diff"] < 1e-3
     assert (out / "metrics.jsonl").is_file() and (out / "gates.json").is_file() and (out / "adapter.npz").is_file()
     assert json.loads((out / "config.json").read_text())["steps"] == 3
+    import re
+    eff = re.search(r"SFT token efficiency: ([\d,]+) positions computed, ([\d,]+) real .*?([\d,]+) supervised",
+                    (out / "train.log").read_text())
+    computed, real, sup = (int(x.replace(",", "")) for x in eff.groups())
+    steps = [x for x in lines if x["event"] == "step"]
+    assert computed == sum(x["seq_tokens"] for x in steps) and sup == sum(x["tokens"] for x in steps)
+    assert 0 < sup < real <= computed
     # SFT then DPO, then the exports other tools load and the report
     assert kinds.count("dpo_step") == 2
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "adapter.gguf").is_file()

@@ -64,6 +64,7 @@ class Run:
         self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix)
         self.init_sum = evidence.checksum([p.numpy() for p in self.params])
         self.step, self.first_loss, self.last_loss = 0, None, None
+        self.tokens = {"computed": 0, "real": 0, "supervised": 0}     # over the steps this process ran
 
     # ---- preflight ----
     def preflight(self):
@@ -101,6 +102,9 @@ class Run:
                 raise DataError(f"batch at step {self.step + 1} has no supervised token: rows "
                                 f"{', '.join(r.where for r in rows)}")
             out.append((ids, lab))
+            self.tokens["real"] += sum(len(r.ids) for r in rows)
+            self.tokens["computed"] += ids.size
+            self.tokens["supervised"] += int((lab != IGNORE).sum())
         return out
 
     # ---- evidence ----
@@ -344,6 +348,11 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
     t0 = time.perf_counter()
     finished = True if cfg.objective == "dpo" else r.train_loop(stop_after)
     r.train_seconds = time.perf_counter() - t0
+    tk = r.tokens
+    if tk["computed"]:
+        rep.say(f"SFT token efficiency: {tk['computed']:,} positions computed, {tk['real']:,} real "
+                f"({100 * tk['real'] / tk['computed']:.0f}%; the rest is padding), {tk['supervised']:,} supervised "
+                f"({100 * tk['supervised'] / tk['computed']:.1f}%)")
     if finished and cfg.checkpoint_every and r.step % cfg.checkpoint_every:
         r.save()
     r.final, r.gates = None, []
