@@ -61,3 +61,24 @@ def test_two_thousand_steps_keep_memory_flat(setup):
     (rss0, dev0), (rss1, dev1) = marks[200], marks[2000]
     assert dev1 == dev0, f"device bytes grew by {dev1 - dev0} over 1800 steps"
     assert rss1 - rss0 < 32 * 2**20, f"host RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 1800 steps"
+
+
+def test_bench_train_says_which_case_does_not_fit_and_frees_each_case(setup, monkeypatch):
+    # `vkdsl bench train` on a device whose budget holds one case's program but not the larger one:
+    # the smaller case runs, the other is a "does not fit" row, and no case's buffers outlive it
+    from vkdsl.train.bench import bench_sft
+    ck, _ = load_model_files(setup[0].gguf_path)
+    model = Llama(ck)
+    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
+    dev = default_device()
+    import gc
+    gc.collect()                                      # earlier tests' garbage must not count as this one's
+    before = dev.allocated_bytes
+    rows = bench_sft(model, w, B=2, T=16)
+    assert all("error" not in r for r in rows) and dev.allocated_bytes == before
+    qv, seven = rows[0]["device_peak_bytes"] - before, rows[1]["device_peak_bytes"] - before
+    assert 0 < qv < seven
+    monkeypatch.setenv("VKDSL_DEVICE_MEMORY_LIMIT", str(before + (qv + seven) // 2))
+    rows = bench_sft(model, w, B=2, T=16)
+    assert "error" not in rows[0] and rows[1]["error"].startswith("does not fit: ")
+    assert "MiB left of a" in rows[1]["error"] and dev.allocated_bytes == before

@@ -5,6 +5,7 @@ reference precomputed once. Beside it, in the same process, the numpy float32 fo
 same model on the same tokens (no numpy backward exists to compare with)."""
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -18,6 +19,8 @@ from vkdsl.models.llama import Llama
 from vkdsl.ops import losses
 from vkdsl.ops.lora import LoRA
 from vkdsl.ops.optim import AdamW
+from vkdsl.runtime import default_device
+from vkdsl.runtime.errors import DeviceMemoryError
 
 ALL = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 CHUNK = 256          # rows of logits per head call: 256 x 49152 x 4 B = 48 MiB, under storage-buffer limits
@@ -68,17 +71,32 @@ def bench_sft(model, w, B=4, T=256):
     labels = np.roll(ids, -1, axis=1)
     rows = []
     for name, mods in (("q,v", ("attn_q", "attn_v")), ("all seven", ALL)):
+        dev = default_device()
+        dev.peak_bytes = dev.allocated_bytes            # each case reports its own peak
         params = _inject(model, mods)
-        dev = model.linear["blk.0.attn_q"].arrays[0].buffer.device
         step, opt = _sft_step(model, params)
         losses_seen = []
-        t = _time(lambda: losses_seen.append(float(step(ids, labels, opt.scalars(1e-4)))))
+        try:
+            t = _time(lambda: losses_seen.append(float(step(ids, labels, opt.scalars(1e-4)))))
+        except DeviceMemoryError as e:             # said as a row: the other cases still run
+            rows.append({"case": f"sft {B}x{T}, adapters on {name}", "error": f"does not fit: {e}"})
+            step.programs.clear()
+            del step, opt, params
+            model.lora.clear()
+            gc.collect()
+            continue
         prog = step.program(ids, labels, opt.scalars(1e-4))
         prog_bytes = sum(b.nbytes for b in {id(b): b for b in prog.bufs.values()}.values())
         rows.append({"case": f"sft {B}x{T}, adapters on {name}", "trainable": sum(p.size for p in params),
                      "step_s": t, "tokens_per_s": B * T / t, "loss_first": losses_seen[0], "loss_last": losses_seen[-1],
                      "program_bytes": prog_bytes, "device_peak_bytes": dev.peak_bytes})
+        # free this case's program (its buffers go with the last reference) before the next is built:
+        # two alive at once exceed a 2 GiB heap such as lavapipe's
+        prog.release()
         step.programs.clear()
+        del prog, step, opt, params
+        model.lora.clear()
+        gc.collect()
     t0 = time.perf_counter()
     for b in range(B):
         numpy_forward(w, model.cfg, ids[b])
