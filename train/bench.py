@@ -55,6 +55,14 @@ def _sft_step(model, params):
     return step, opt
 
 
+def _free(model, step):
+    """Drop a case's programs and adapters before the next case is built (their buffers go with the
+    last reference): two alive at once exceed a 2 GiB heap such as lavapipe's."""
+    step.programs.clear()
+    model.lora.clear()
+    gc.collect()
+
+
 def _time(fn, reps=2):
     fn()
     best = float("inf")
@@ -80,23 +88,16 @@ def bench_sft(model, w, B=4, T=256):
             t = _time(lambda: losses_seen.append(float(step(ids, labels, opt.scalars(1e-4)))))
         except DeviceMemoryError as e:             # said as a row: the other cases still run
             rows.append({"case": f"sft {B}x{T}, adapters on {name}", "error": f"does not fit: {e}"})
-            step.programs.clear()
-            del step, opt, params
-            model.lora.clear()
-            gc.collect()
+            _free(model, step)
             continue
         prog = step.program(ids, labels, opt.scalars(1e-4))
         prog_bytes = sum(b.nbytes for b in {id(b): b for b in prog.bufs.values()}.values())
         rows.append({"case": f"sft {B}x{T}, adapters on {name}", "trainable": sum(p.size for p in params),
                      "step_s": t, "tokens_per_s": B * T / t, "loss_first": losses_seen[0], "loss_last": losses_seen[-1],
                      "program_bytes": prog_bytes, "device_peak_bytes": dev.peak_bytes})
-        # free this case's program (its buffers go with the last reference) before the next is built:
-        # two alive at once exceed a 2 GiB heap such as lavapipe's
         prog.release()
-        step.programs.clear()
-        del prog, step, opt, params
-        model.lora.clear()
-        gc.collect()
+        del prog
+        _free(model, step)
     t0 = time.perf_counter()
     for b in range(B):
         numpy_forward(w, model.cfg, ids[b])

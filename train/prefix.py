@@ -14,7 +14,7 @@ import numpy as np
 
 import vkdsl
 
-IGNORE = -100
+from .data import IGNORE
 
 
 def first_adapted_layer(names: list[str]) -> int:
