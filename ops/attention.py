@@ -1,10 +1,12 @@
-"""Grouped-query attention: the composition of primitives (the contract, and what training
-differentiates), the fused streaming kernel for the forward (kernels/attention.comp), and the
-selector between them.
+"""Grouped-query attention: the composition of primitives (the contract and the reference), the
+fused streaming kernels (kernels/attention.comp forward, kernels/attention_backward.comp its
+gradient), and the selector between them.
 
-The kernel earns its place in `vkdsl bench model`: the composed version materializes (Hq, T, T)
-scores and spends most of a 512-token prefill in them. Its gradient recomputes the composed
-attention and differentiates that, so training stays on the verified composite."""
+The composed version materializes (B, Hq, T, T) scores and probabilities, and training keeps them
+for the backward of every layer. The fused forward streams over the keys with an online softmax;
+the fused backward recomputes the probabilities from q, k and each query's log-sum-exp
+(FlashAttention-2 style), so neither direction ever holds a T x T tensor. On lavapipe at 4 x 256,
+SmolLM2-135M's heads, forward + backward: `python -m vkdsl.ops.attention` times both."""
 from __future__ import annotations
 
 import math
@@ -23,14 +25,22 @@ from .nn import causal_mask, softmax
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True,
               fused: bool = True) -> Tensor:
     """Grouped-query attention (see attention_composed for the contract). fused: the streaming
-    kernel (kernels/attention.comp) for the forward; its gradient is the composite's."""
-    B, Tq, Hq, D = q.shape
-    # The kernel gives each workgroup 64 queries of one head: with a handful of queries (decode)
-    # most lanes idle, and the composed form is faster.
-    if fused and Tq >= 16 and D % 4 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B and Hq % k.shape[2] == 0 \
-            and v.shape == k.shape and (not causal or Tq == k.shape[1]):
+    kernels, forward and backward, where they apply; else the composite."""
+    if fused and fused_applies(q, k, v, causal):
         return fused_attention(q, k, v, mask, causal)
     return attention_composed(q, k, v, mask, causal)
+
+
+def fused_applies(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
+    """The kernels give each workgroup 64 queries (or keys) of one (batch, kv head): with a handful
+    of queries (decode) most lanes idle and the composite is faster. They load 8 floats at a time as
+    64-bit integers (D % 8 == 0, shaderInt64) and keep G = Hq / Hkv heads of D floats in registers."""
+    from vkdsl.handwritten import has_int64
+    from vkdsl.runtime import default_device
+    B, Tq, Hq, D = q.shape
+    return (Tq >= 16 and D % 8 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B and Hq % k.shape[2] == 0
+            and Hq // k.shape[2] <= 8 and v.shape == k.shape and (not causal or Tq == k.shape[1])
+            and has_int64(default_device()))
 
 
 def attention_composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True) -> Tensor:
@@ -68,13 +78,14 @@ PUSH_SIZE = struct.calcsize(PUSH)
 class FusedAttention(CustomOp):
     def __init__(self, B, Tq, Tk, Hq, Hkv, D, causal, has_mask):
         self.dims, self.causal, self.has_mask = (B, Tq, Tk, Hq, Hkv, D), causal, has_mask
-        self.name = f"attention_d{D}"
+        self.name = f"attention_d{D}_g{Hq // Hkv}"
 
     def record(self, rec, out, srcs):
         B, Tq, Tk, Hq, Hkv, D = self.dims
-        k = build_kernel(rec.device, "attention.comp", self.name, {"D": D}, 5, PUSH_SIZE, (64, 1, 1))
+        k = build_kernel(rec.device, "attention.comp", self.name, {"D": D, "G": Hq // Hkv}, 5, PUSH_SIZE,
+                         (64, 1, 1))
         mask = srcs[3] if self.has_mask else srcs[0]      # an unused binding still needs a buffer
-        groups = (-(-Tq // 64), Hq, B)          # a workgroup = 64 queries of one (batch, head)
+        groups = (-(-Tq // 64), Hkv, B)         # a workgroup = 64 queries of one (batch, kv head)
         rec.dispatch(k, [out, srcs[0], srcs[1], srcs[2], mask], groups,
                      struct.pack(PUSH, B, Tq, Tk, Hq, Hkv, int(self.causal), int(self.has_mask),
                                  1.0 / math.sqrt(D)))
@@ -84,10 +95,51 @@ class FusedAttention(CustomOp):
         return 4 * B * Hq * Tq * Tk * D // (2 if self.causal else 1)      # QK^T and PV, half under causality
 
     def backward(self, node, g, q, k, v, *mask):
-        ins = [t for t in (q, k, v) if t.requires_grad]
-        out = attention_composed(q, k, v, mask[0] if mask else None, self.causal)
-        gs = iter(grad(out, ins, upstream=g, local=True))
-        return tuple(next(gs) if t.requires_grad else None for t in (q, k, v)) + (None,) * len(mask)
+        B, Tq, Tk, Hq, Hkv, D = self.dims
+        args = (self.dims, self.causal, self.has_mask)
+        stats = custom(AttentionBackward(*args, PASS_STATS), [q, k, g, node, *mask], (B, Tq, Hq, 2),
+                       requires_grad=False)
+        dq = custom(AttentionBackward(*args, PASS_DQ), [q, k, v, g, stats, *mask], q.shape,
+                    requires_grad=False) if q.requires_grad else None
+        dk = dv = None
+        if k.requires_grad or v.requires_grad:
+            dkv = custom(AttentionBackward(*args, PASS_DKV), [q, k, v, g, stats, *mask], (2,) + k.shape,
+                         requires_grad=False)
+            dk, dv = (dkv[0] if k.requires_grad else None), (dkv[1] if v.requires_grad else None)
+        return (dq, dk, dv) + (None,) * len(mask)
+
+
+PASS_STATS, PASS_DQ, PASS_DKV = 0, 1, 2
+# which source fills each binding of kernels/attention_backward.comp (out, q, k, v, g, stats, o, mask)
+_BINDINGS = {PASS_STATS: ("q", "k", None, "g", None, "o"), PASS_DQ: ("q", "k", "v", "g", "stats", None),
+             PASS_DKV: ("q", "k", "v", "g", "stats", None)}
+
+
+class AttentionBackward(CustomOp):
+    """One pass of the fused attention backward (kernels/attention_backward.comp): stats (lse and
+    dO.O per query), dq (a workgroup per 64 queries), or dk and dv packed as (2, B, Tk, Hkv, D)
+    (a workgroup per 64 keys). The probabilities are recomputed in each pass, never stored."""
+
+    def __init__(self, dims, causal, has_mask, pass_):
+        self.dims, self.causal, self.has_mask, self.pass_ = dims, causal, has_mask, pass_
+        self.name = f"attention_backward{pass_}_d{dims[-1]}_g{dims[3] // dims[4]}"
+
+    def record(self, rec, out, srcs):
+        B, Tq, Tk, Hq, Hkv, D = self.dims
+        names = _BINDINGS[self.pass_]
+        given = dict(zip([n for n in names if n], srcs))
+        mask = srcs[-1] if self.has_mask else srcs[0]        # unused bindings still need a buffer
+        bufs = [out] + [given.get(n, srcs[0]) if n else srcs[0] for n in names] + [mask]
+        k = build_kernel(rec.device, "attention_backward.comp", self.name,
+                         {"D": D, "G": Hq // Hkv, "PASS": self.pass_}, 8, PUSH_SIZE, (64, 1, 1))
+        groups = (-(-Tk // 128), Hkv, B) if self.pass_ == PASS_DKV else (-(-Tq // 64), Hkv, B)
+        rec.dispatch(k, bufs, groups, struct.pack(PUSH, B, Tq, Tk, Hq, Hkv, int(self.causal),
+                                                  int(self.has_mask), 1.0 / math.sqrt(D)))
+
+    def flops(self, node) -> int:
+        B, Tq, Tk, Hq, Hkv, D = self.dims
+        pairs = B * Hq * Tq * Tk // (2 if self.causal else 1)
+        return pairs * 2 * D * (1, 3, 4)[self.pass_]
 
 
 def fused_attention(q, k, v, mask, causal):
@@ -100,9 +152,52 @@ def fused_attention(q, k, v, mask, causal):
 
 
 def builtin_variants(dev) -> list[str]:
-    """Compile (to SPIR-V) the fused kernel for the head sizes of the bundled models, for bundles."""
+    """Compile (to SPIR-V) the fused kernels for common head shapes (D 64 with 3 query heads per kv
+    head, as SmolLM2-135M; D 64 without grouping), for bundles."""
     names = []
-    for d in (64, 128):
-        compile_glsl(f"attention_d{d}", kernel_source("attention.comp"), {"D": d})
-        names.append(f"attention_d{d}")
+    for d, g in ((64, 3), (64, 1)):
+        compile_glsl(f"attention_d{d}_g{g}", kernel_source("attention.comp"), {"D": d, "G": g})
+        names.append(f"attention_d{d}_g{g}")
+        for p in (PASS_STATS, PASS_DQ, PASS_DKV):
+            name = f"attention_backward{p}_d{d}_g{g}"
+            compile_glsl(name, kernel_source("attention_backward.comp"), {"D": d, "G": g, "PASS": p})
+            names.append(name)
     return names
+
+
+def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5):
+    """Seconds of one forward + backward (dq, dk, dv) of causal attention, fused and composed, each
+    the best of `reps` replays of its own traced program, alternating so both see the same load."""
+    import time
+
+    import numpy as np
+
+    import vkdsl
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(s, dtype=np.float32) for s in ((B, T, Hq, D), (B, T, Hkv, D), (B, T, Hkv, D))]
+    g = rng.standard_normal((B, T, Hq, D), dtype=np.float32)
+    steps = {}
+    for name, fn in (("fused", attention), ("composed", attention_composed)):
+        q, k, v = (vkdsl.tensor(a, requires_grad=True) for a in arrays)
+
+        @vkdsl.trace
+        def step(up, q=q, k=k, v=v, fn=fn):
+            return grad((fn(q, k, v) * up).sum(), [q, k, v])
+        step(g)
+        steps[name] = step
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(reps):
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step(g)
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+if __name__ == "__main__":
+    # python -m vkdsl.ops.attention [B T Hq Hkv D]
+    import sys
+    dims = [int(a) for a in sys.argv[1:6]] or [4, 256, 9, 3, 64]
+    best = bench(*dims)
+    print(f"attention forward + backward {dims}: fused {best['fused']:.3f} s, composed {best['composed']:.3f} s, "
+          f"ratio {best['composed'] / best['fused']:.2f}")

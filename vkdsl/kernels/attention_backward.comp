@@ -1,0 +1,181 @@
+#version 450
+// Fused attention backward (recompute-based, FlashAttention-2 style): the (Hq, T, T) probabilities
+// are never stored; each pass recomputes the scores it needs from q and k. Three passes (PASS):
+//   0 stats: per (batch, query, head) lse_i = log sum_j exp(s_ij) and delta_i = dO_i . O_i;
+//   1 dq:    dq_i = scale * sum_j p_ij (dO_i . v_j - delta_i) k_j;
+//   2 dkv:   dv_j = sum_(i, h) p_ij dO_i and dk_j = scale * sum_(i, h) p_ij (dO_i . v_j - delta_i) q_i,
+//            summed over the G = Hq / Hkv query heads that share kv head j's.
+// with s_ij = scale * q_i . k_j + mask_ij (visible keys only) and p_ij = exp(s_ij - lse_i).
+// Passes 0 and 1: one invocation per (batch, query, kv head) for all G of its query heads, a
+// workgroup = 64 queries, so each k_j / v_j load serves G heads. Pass 2: one invocation per
+// (batch, key, kv head), a workgroup = 64 keys. Either way the operand streamed over the loop is at
+// a workgroup-uniform address, loaded 8 floats at a time (on CPU drivers each load whose address
+// the compiler cannot prove uniform is a loop over the SIMD lanes: fewer, wider loads win).
+// Shapes as attention.comp. A query that sees no key gets lse = +inf, so its p is 0 (zero gradients).
+#extension GL_EXT_control_flow_attributes : require
+#extension GL_ARB_gpu_shader_int64 : require
+layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
+#if PASS == 0
+layout(std430, binding = 0) writeonly buffer Out_ { vec2 stats_out[]; };  // (B, Tq, Hq, 2)
+#else
+layout(std430, binding = 0) writeonly buffer Out_ { vec4 out4[]; };
+#endif
+layout(std430, binding = 1) readonly buffer Q_ { vec4 q_in[]; };
+layout(std430, binding = 2) readonly buffer K_ { u64vec4 k_in[]; };
+layout(std430, binding = 3) readonly buffer V_ { u64vec4 v_in[]; };
+layout(std430, binding = 4) readonly buffer G_ { vec4 g_in[]; };          // dO
+layout(std430, binding = 5) readonly buffer S_ { vec2 stats[]; };         // (lse, delta): passes 1, 2
+layout(std430, binding = 6) readonly buffer O_ { vec4 o_in[]; };          // the forward's output: pass 0
+layout(std430, binding = 7) readonly buffer M_ { float mask[]; };
+// the same buffers as 8-float chunks, for the operands pass 2 streams
+layout(std430, binding = 1) readonly buffer Q8_ { u64vec4 q8[]; };
+layout(std430, binding = 4) readonly buffer G8_ { u64vec4 g8[]; };
+layout(push_constant) uniform AttnPush { uint B, Tq, Tk, Hq, Hkv, causal, has_mask; float scale; } ap;
+
+const int D4 = D / 4, D8 = D / 8;
+const float NEG_INF = -1.0 / 0.0;
+
+void unpack8(u64vec4 c, out vec4 lo, out vec4 hi) {
+    lo = vec4(uintBitsToFloat(unpackUint2x32(c.x)), uintBitsToFloat(unpackUint2x32(c.y)));
+    hi = vec4(uintBitsToFloat(unpackUint2x32(c.z)), uintBitsToFloat(unpackUint2x32(c.w)));
+}
+
+float hsum(vec4 a) { return a.x + a.y + a.z + a.w; }
+
+#if PASS < 2
+void main() {
+    const uint kvh = gl_WorkGroupID.y, b = gl_WorkGroupID.z;
+    const uint i0 = gl_WorkGroupID.x * gl_WorkGroupSize.x, i = i0 + gl_LocalInvocationID.x;
+    const bool live = i < ap.Tq;
+    const uint ic = min(i, ap.Tq - 1u);
+    const uint item = (b * ap.Tq + ic) * ap.Hq + kvh * G;     // first of this query's G heads
+    vec4 q[G][D4];
+    [[unroll]] for (int t = 0; t < G; t++)
+        [[unroll]] for (int d = 0; d < D4; d++) q[t][d] = q_in[(item + t) * D4 + d] * ap.scale;
+    const uint i_last = min(i0 + gl_WorkGroupSize.x, ap.Tq) - 1u;
+    const uint last = ap.causal != 0u ? min(ap.Tk, i_last + (ap.Tk - ap.Tq) + 1u) : ap.Tk;
+    const uint mine = ap.causal != 0u ? i + (ap.Tk - ap.Tq) : ap.Tk;
+#if PASS == 0
+    float m[G], l[G];
+    [[unroll]] for (int t = 0; t < G; t++) { m[t] = NEG_INF; l[t] = 0.0; }
+    for (uint j = 0u; j < last; j++) {
+        const uint kb = ((b * ap.Tk + j) * ap.Hkv + kvh) * D8;
+        const float add = ap.has_mask != 0u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
+        if (j > mine || add == NEG_INF) continue;
+        vec4 kj[D4];
+        [[unroll]] for (int d = 0; d < D8; d++) unpack8(k_in[kb + d], kj[2 * d], kj[2 * d + 1]);
+        [[unroll]] for (int t = 0; t < G; t++) {
+            vec4 acc = vec4(0.0);
+            [[unroll]] for (int d = 0; d < D4; d++) acc += q[t][d] * kj[d];
+            const float s = hsum(acc) + add, m_new = max(m[t], s);
+            l[t] = l[t] * exp(m[t] - m_new) + exp(s - m_new);
+            m[t] = m_new;
+        }
+    }
+    if (live) {
+        [[unroll]] for (int t = 0; t < G; t++) {
+            vec4 acc = vec4(0.0);
+            [[unroll]] for (int d = 0; d < D4; d++) acc += g_in[(item + t) * D4 + d] * o_in[(item + t) * D4 + d];
+            stats_out[item + t] = vec2(l[t] > 0.0 ? m[t] + log(l[t]) : 1.0 / 0.0, hsum(acc));
+        }
+    }
+#else
+    vec4 g[G][D4], dq[G][D4];
+    float lse[G], delta[G];
+    [[unroll]] for (int t = 0; t < G; t++) {
+        [[unroll]] for (int d = 0; d < D4; d++) {
+            g[t][d] = g_in[(item + t) * D4 + d];
+            dq[t][d] = vec4(0.0);
+        }
+        lse[t] = stats[item + t].x;
+        delta[t] = stats[item + t].y;
+    }
+    for (uint j = 0u; j < last; j++) {
+        const uint kb = ((b * ap.Tk + j) * ap.Hkv + kvh) * D8;
+        const float add = ap.has_mask != 0u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
+        if (j > mine || add == NEG_INF) continue;
+        vec4 kj[D4], vj[D4];
+        [[unroll]] for (int d = 0; d < D8; d++) {
+            unpack8(k_in[kb + d], kj[2 * d], kj[2 * d + 1]);
+            unpack8(v_in[kb + d], vj[2 * d], vj[2 * d + 1]);
+        }
+        [[unroll]] for (int t = 0; t < G; t++) {
+            vec4 sa = vec4(0.0), pa = vec4(0.0);
+            [[unroll]] for (int d = 0; d < D4; d++) {
+                sa += q[t][d] * kj[d];
+                pa += g[t][d] * vj[d];
+            }
+            const float p = exp(hsum(sa) + add - lse[t]);
+            const float ds = p * (hsum(pa) - delta[t]);
+            [[unroll]] for (int d = 0; d < D4; d++) dq[t][d] += ds * kj[d];
+        }
+    }
+    if (live) {
+        [[unroll]] for (int t = 0; t < G; t++)
+            [[unroll]] for (int d = 0; d < D4; d++) out4[(item + t) * D4 + d] = dq[t][d] * ap.scale;
+    }
+#endif
+}
+#else
+// pass 2: output (2, B, Tk, Hkv, D) = (dk, dv). Each invocation owns KPL keys (lane, lane + 64, ...)
+// so every q_i / dO_i load serves KPL keys.
+#define KPL 2
+void main() {
+    const uint kvh = gl_WorkGroupID.y, b = gl_WorkGroupID.z;
+    const uint j0 = gl_WorkGroupID.x * gl_WorkGroupSize.x * KPL;
+    uint jj[KPL], item[KPL];
+    vec4 k[KPL][D4], v[KPL][D4], dk[KPL][D4], dv[KPL][D4];
+    [[unroll]] for (int c = 0; c < KPL; c++) {
+        jj[c] = j0 + c * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+        item[c] = (b * ap.Tk + min(jj[c], ap.Tk - 1u)) * ap.Hkv + kvh;
+        [[unroll]] for (int d = 0; d < D8; d++) {
+            unpack8(k_in[item[c] * D8 + d], k[c][2 * d], k[c][2 * d + 1]);
+            unpack8(v_in[item[c] * D8 + d], v[c][2 * d], v[c][2 * d + 1]);
+        }
+        [[unroll]] for (int d = 0; d < D4; d++) {
+            k[c][d] *= ap.scale;
+            dk[c][d] = vec4(0.0);
+            dv[c][d] = vec4(0.0);
+        }
+    }
+    // causal: query i sees key j iff j <= i + off; the workgroup starts at its first key's first query
+    const uint off = ap.Tk - ap.Tq;
+    const uint first = ap.causal != 0u ? (j0 > off ? j0 - off : 0u) : 0u;
+    for (uint t = 0u; t < uint(G); t++) {
+        const uint h = kvh * uint(G) + t;
+        for (uint i = first; i < ap.Tq; i++) {
+            const uint qi = (b * ap.Tq + i) * ap.Hq + h;
+            vec4 qv[D4], gv[D4];
+            [[unroll]] for (int d = 0; d < D8; d++) {
+                unpack8(q8[qi * D8 + d], qv[2 * d], qv[2 * d + 1]);
+                unpack8(g8[qi * D8 + d], gv[2 * d], gv[2 * d + 1]);
+            }
+            const vec2 st = stats[qi];
+            [[unroll]] for (int c = 0; c < KPL; c++) {
+                const float add = ap.has_mask != 0u ? mask[(b * ap.Tq + i) * ap.Tk + min(jj[c], ap.Tk - 1u)] : 0.0;
+                const bool seen = (ap.causal == 0u || jj[c] <= i + off) && add != NEG_INF;
+                vec4 sa = vec4(0.0), pa = vec4(0.0);
+                [[unroll]] for (int d = 0; d < D4; d++) {
+                    sa += k[c][d] * qv[d];
+                    pa += gv[d] * v[c][d];
+                }
+                const float p = seen ? exp(hsum(sa) + add - st.x) : 0.0;
+                const float ds = p * (hsum(pa) - st.y);
+                [[unroll]] for (int d = 0; d < D4; d++) {
+                    dv[c][d] += p * gv[d];
+                    dk[c][d] += ds * qv[d];
+                }
+            }
+        }
+    }
+    const uint half_ = ap.B * ap.Tk * ap.Hkv * D4;
+    [[unroll]] for (int c = 0; c < KPL; c++) {
+        if (jj[c] < ap.Tk) {
+            [[unroll]] for (int d = 0; d < D4; d++) {
+                out4[item[c] * D4 + d] = dk[c][d] * ap.scale;
+                out4[half_ + item[c] * D4 + d] = dv[c][d];
+            }
+        }
+    }
+}
+#endif
