@@ -73,9 +73,14 @@ def kl(p_logits: Tensor, q_logits: Tensor) -> Tensor:
 
 def tmkl(adapted_logits: Tensor, base_logits: Tensor, labels: Tensor) -> Tensor:
     """Target-masked KL: at each supervised position remove the target token from both
-    distributions, renormalise, and take KL(adapted || base); mean over supervised positions.
-    The renormalisation is a logsumexp with the target set to -inf: stable even when the
-    target holds almost all of the probability."""
+    distributions, renormalise, and take KL(adapted || base); mean over supervised positions."""
+    mask = 1.0 - labels.eq(IGNORE)
+    return tmkl_rows(adapted_logits, base_logits, labels).sum() / mask.sum()
+
+
+def tmkl_rows(adapted_logits: Tensor, base_logits: Tensor, labels: Tensor) -> Tensor:
+    """Per-position target-masked KL (0 where unsupervised). The renormalisation is a logsumexp
+    with the target set to -inf: stable even when the target holds almost all of the probability."""
     _check_pair(adapted_logits, labels)
     V = adapted_logits.shape[-1]
     hot = _onehot(labels, V)
@@ -87,8 +92,7 @@ def tmkl(adapted_logits: Tensor, base_logits: Tensor, labels: Tensor) -> Tensor:
     lb = hot.where(0.0, zb - logsumexp(zb, -1, keepdim=True))
     pa = hot.where(0.0, la.exp())
     per = (pa * (la - lb)).sum(-1)
-    mask = 1.0 - labels.eq(IGNORE)
-    return (per * mask).sum() / mask.sum()
+    return per * (1.0 - labels.eq(IGNORE))
 
 
 def softplus(x: Tensor) -> Tensor:

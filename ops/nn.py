@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from vkdsl import Tensor
+from vkdsl.autograd import with_gradient
 from vkdsl.tensor import ShapeError
 
 
@@ -35,7 +36,13 @@ def silu(x: Tensor) -> Tensor:
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    return silu(gate) * up
+    """silu(gate) * up. Its backward reads gate and up only (with s = sigmoid(gate)):
+    d up = g * gate * s, d gate = g * up * s * (1 + gate * (1 - s))."""
+    def rule(g, gate, up):
+        s = 1.0 / (1.0 + (-gate).exp())
+        return (g * up * s * (1.0 + gate * (1.0 - s)) if gate.requires_grad else None,
+                g * gate * s if up.requires_grad else None)
+    return with_gradient(silu(gate) * up, (gate, up), rule)
 
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:

@@ -198,3 +198,50 @@ def test_frozen_weight_gets_no_gradient_buffer(rng):
     small, big = program_bytes(64), program_bytes(512)
     assert big < 512 * 512 * 4        # less than one gradient of the frozen W
     assert big - small < (512 * 512 - 64 * 64) * 4 / 4
+
+
+def _logprob_rows_ref(h, W, labels):
+    z = np.asarray(h, np.float64) @ np.asarray(W, np.float64).T
+    z = z - z.max(-1, keepdims=True)
+    lp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    picked = lp[np.arange(len(labels)), np.maximum(labels, 0)]
+    return np.where(labels == -100, 0.0, picked)
+
+
+def test_rowwise_head_loss_grads(rng):
+    """vkdsl.autograd.rowwise (the LM head fused with the loss: the gradient rows computed in the
+    forward) against finite differences of a float64 log-softmax, through a layer below it, with
+    ignored rows and a non-uniform upstream gradient."""
+    from vkdsl.autograd import rowwise
+    R, D, V = 6, 5, 11
+    x, A, W = f32(rng, R, D), f32(rng, D, D), f32(rng, V, D)
+    labels = np.array([3, -100, 0, 10, 7, -100], np.int32)
+    Wt, lab = vkdsl.tensor(W), vkdsl.tensor(labels)
+    check(lambda a, m: rowwise(lambda h, lb: losses.token_logprobs(h @ Wt.T, lb)[0], (a @ m).tanh(), lab),
+          lambda a, m: _logprob_rows_ref(np.tanh(a @ m), W, labels), [x, A], [0, 1], rng)
+
+
+def test_rowwise_keeps_no_logits_for_the_backward(rng):
+    """Four chunks of (64, 4096) logits: the composite keeps each chunk's logits (and softmax) until
+    the backward; through rowwise they die in the forward, so the program holds far fewer bytes."""
+    from vkdsl.autograd import rowwise
+    R, D, V, C = 256, 16, 4096, 64
+    x = vkdsl.tensor(f32(rng, R, D), requires_grad=True)
+    W = vkdsl.tensor(f32(rng, V, D))
+    lab = rng.integers(0, V, R).astype(np.int32)
+    rows = lambda h, lb: losses.token_logprobs(h @ W.T, lb)[0]        # noqa: E731
+
+    def program(fused):
+        @vkdsl.trace
+        def step(lb):
+            parts = [(rowwise(rows, x[s:s + C], lb[s:s + C]) if fused else rows(x[s:s + C], lb[s:s + C])).sum()
+                     for s in range(0, R, C)]
+            loss = sum(parts[1:], parts[0])
+            return [loss] + grad(loss, [x])          # the loss first, as a training step returns it
+        return step, step.program(lab)
+    (f_step, fused), (p_step, plain) = program(True), program(False)
+    held = lambda prog: sum(b.nbytes for b in {id(b): b for b in prog.bufs.values()}.values())   # noqa: E731
+    logits = C * V * 4
+    assert held(plain) - held(fused) >= 3 * logits, (held(plain), held(fused))
+    for a, b in zip(f_step(lab), p_step(lab)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -22,8 +22,9 @@ from vkdsl.ops.optim import AdamW
 from vkdsl.runtime import default_device
 from vkdsl.runtime.errors import DeviceMemoryError
 
+from .step import head_rows
+
 ALL = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-CHUNK = 256          # rows of logits per head call: 256 x 49152 x 4 B = 48 MiB, under storage-buffer limits
 
 
 def _inject(model, modules, r=8, alpha=16.0):
@@ -43,13 +44,9 @@ def _sft_step(model, params):
     def step(ids, labels, scalars):
         B, T = ids.shape
         h = model.forward(ids, hidden_only=True).reshape(B * T, model.cfg.dim)
-        lab = labels.reshape(B * T)
-        total = None
-        for s in range(0, B * T, CHUNK):                 # the head in row chunks: logits never whole
-            lp, _ = losses.token_logprobs(model.head(h[s:s + CHUNK]), lab[s:s + CHUNK])
-            part = lp.sum()
-            total = part if total is None else total + part
-        loss = -total * (1.0 / (B * T))
+        # the head fused with the loss in row chunks, as the trainer's step (train.step.head_rows)
+        lp, = head_rows(model, h, lambda lg, lab: losses.token_logprobs(lg, lab)[0], labels.reshape(B * T))
+        loss = -lp.sum() * (1.0 / (B * T))
         opt.step(grad(loss, params), scalars)
         return loss
     return step, opt

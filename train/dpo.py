@@ -26,7 +26,7 @@ from . import checkpoint
 from .data import IGNORE, DataError, Example, collate, encode_row, read_jsonl
 from .evidence import Scorer
 from .prefix import FrozenPrefix
-from .step import HostAdamW, clip, select, selected_logits
+from .step import HostAdamW, clip, head_rows, select, selected_hidden
 
 LN2 = math.log(2.0)
 
@@ -68,14 +68,18 @@ def _segments(pos, labels, T, B):
     return seg
 
 
+def _logprob_rows(logits, labels):
+    return losses.token_logprobs(logits, labels)[0]
+
+
 def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0):
     """Traced: (chosen ids/pos/labels/segments, rejected ..., ref_margin (P,), inv_nc (1,))
     -> (loss, policy chosen logp (P,), policy rejected logp (P,), *grads).
     start > 0: the ids are the frozen prefix's outputs (train.prefix)."""
     @vkdsl.trace
     def dpo_step(ids_c, pos_c, lab_c, seg_c, ids_r, pos_r, lab_r, seg_r, ref_margin, inv_nc):
-        lpc, _ = losses.token_logprobs(selected_logits(model, ids_c, pos_c, True, start), lab_c)
-        lpr, _ = losses.token_logprobs(selected_logits(model, ids_r, pos_r, True, start), lab_r)
+        lpc, = head_rows(model, selected_hidden(model, ids_c, pos_c, True, start), _logprob_rows, lab_c)
+        lpr, = head_rows(model, selected_hidden(model, ids_r, pos_r, True, start), _logprob_rows, lab_r)
         pc = (seg_c @ lpc.reshape(-1, 1)).reshape(-1)          # (P,) sequence log-probs
         pr = (seg_r @ lpr.reshape(-1, 1)).reshape(-1)
         margin = ((pc - pr) - ref_margin) * beta

@@ -15,7 +15,7 @@ import hashlib
 import numpy as np
 
 import vkdsl
-from vkdsl.autograd import grad
+from vkdsl.autograd import grad, rowwise
 from vkdsl.ops import losses
 
 from .prefix import FrozenPrefix
@@ -35,31 +35,62 @@ def select(labels: np.ndarray, bucket: int = 16):
     return p, lab
 
 
-def selected_logits(model, ids, pos, adapters_on, start=0):
-    """ids: (B, T) token ids, or with start > 0 the residual stream entering layer `start`
-    (train.prefix.FrozenPrefix)."""
+def selected_hidden(model, ids, pos, adapters_on, start=0):
+    """The final hidden states (S, dim) at the flat positions pos. ids: (B, T) token ids, or with
+    start > 0 the residual stream entering layer `start` (train.prefix.FrozenPrefix)."""
     B, T = ids.shape[:2]
     h = model.forward(ids, adapters_on=adapters_on, hidden_only=True, start=start)   # (B, T, dim)
-    return model.head(h.reshape(B * T, model.cfg.dim).gather(pos))         # (S, V)
+    return h.reshape(B * T, model.cfg.dim).gather(pos)
+
+
+def selected_logits(model, ids, pos, adapters_on, start=0):
+    return model.head(selected_hidden(model, ids, pos, adapters_on, start))         # (S, V)
+
+
+HEAD_CHUNK = 256     # rows of logits per head call: 256 x 49152 x 4 B = 48 MiB, under storage-buffer limits
+
+
+def head_rows(model, h, fn, *row_inputs):
+    """The LM head fused with a per-row loss, in chunks of HEAD_CHUNK rows: fn(logits, *row_inputs
+    chunk) -> (objective rows, *report rows). Each chunk's logits live only for its own forward
+    (vkdsl.autograd.rowwise); returns the concatenated rows of each output."""
+    outs = []
+    for s in range(0, h.shape[0], HEAD_CHUNK):
+        part = rowwise(lambda hc, *xs: fn(model.head(hc), *xs), h[s:s + HEAD_CHUNK],
+                       *(x[s:s + HEAD_CHUNK] for x in row_inputs))
+        outs.append(part if isinstance(part, tuple) else (part,))
+    return [o[0] if len(outs) == 1 else _cat([p[i] for p in outs]) for i, o in enumerate(zip(*outs))]
+
+
+def _cat(parts):
+    n = sum(p.shape[0] for p in parts)
+    out, at = None, 0
+    for p in parts:
+        piece = p.pad(((at, n - at - p.shape[0]),))
+        out = piece if out is None else out + piece
+        at += p.shape[0]
+    return out
 
 
 def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0):
     """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, base logits (S,V)]) -> (ce_sum, kl_sum,
     *grads). base_input: the base model's logits come in (cached) instead of a base forward.
     start > 0: ids is the frozen prefix's output (train.prefix)."""
+    def rows(lg, labels, *base_lg):
+        ce = -losses.token_logprobs(lg, labels)[0]
+        if not base_lg:
+            return ce, ce
+        kl = losses.tmkl_rows(lg, base_lg[0], labels)
+        return ce + kl * lam, ce, kl
+
     @vkdsl.trace
     def grad_step(ids, pos, labels, inv_n, *base):
-        lg = selected_logits(model, ids, pos, True, start)
-        _, per = losses.cross_entropy(lg, labels)
-        ce_sum = per.sum()
-        obj = ce_sum
-        kl_sum = ce_sum * 0.0
-        if lam > 0:
-            mask = 1.0 - labels.eq(IGNORE)
-            base_lg = base[0] if base_input else selected_logits(model, ids, pos, False, start)
-            kl_sum = losses.tmkl(lg, base_lg, labels) * mask.sum()
-            obj = ce_sum + kl_sum * lam
-        gs = grad((obj * inv_n[0]), params)
+        h = selected_hidden(model, ids, pos, True, start)
+        base_lg = () if lam <= 0 else (base[0],) if base_input else (selected_logits(model, ids, pos, False, start),)
+        obj, ce, *kl = head_rows(model, h, rows, labels, *base_lg)
+        ce_sum = ce.sum()
+        kl_sum = kl[0].sum() if kl else ce_sum * 0.0
+        gs = grad(obj.sum() * inv_n[0], params)
         return [ce_sum, kl_sum] + gs
     return grad_step
 

@@ -5,7 +5,8 @@ gradient tensor (let alone a buffer), while input gradients through frozen layer
 to earlier trainable tensors. The result is a lazy graph like any other: trace it."""
 from __future__ import annotations
 
-from .tensor import Tensor
+from .custom import CustomOp, custom
+from .tensor import ShapeError, Tensor
 
 # Each rule: (node, upstream gradient g, *sources) -> one gradient per source (None = no gradient).
 # `out` is the node itself (some rules reuse the forward value).
@@ -94,6 +95,48 @@ GRADIENTS = {
 }
 
 
+def with_gradient(out: Tensor, sources, rule) -> Tensor:
+    """Give `out` (any graph computed from `sources`) an explicit backward: rule(g, *sources) -> one
+    gradient per source. The backward then reads the sources only, so out's intermediate nodes have
+    no reader after the forward and are fused away instead of kept (SwiGLU keeps gate and up, not
+    the five tensors its composite rules would read)."""
+    out.backward = (tuple(sources), rule)
+    return out
+
+
+class _After(CustomOp):
+    """The value of its first source, available only once every other source is computed: a copy
+    that makes the schedule compute those sources in the forward pass."""
+    name = "after"
+
+    def record(self, rec, out, srcs):
+        rec.copy(srcs[0], out, out.nbytes)
+
+
+def rowwise(fn, x: Tensor, *consts: Tensor):
+    """y = fn(x, *consts), shape (R,), where y[r] depends on row x[r] alone and the consts need no
+    gradient (labels, a frozen head's weights, cached base logits). The gradient rows
+    J = d(sum y)/dx are computed in the same pass as y, so the backward is g[:, None] * J and fn's
+    intermediates die in the forward: an LM head's (R, vocab) logits and softmax are never kept
+    for the backward (the head + loss fusion of the training step). fn may return (y, *aux):
+    per-row values for reporting, returned beside y and not meant to be differentiated."""
+    if any(c.requires_grad for c in consts):
+        raise ValueError("rowwise: only x may need a gradient")
+    res = fn(x, *consts)
+    y, aux = (res[0], tuple(res[1:])) if isinstance(res, tuple) else (res, ())
+    if y.shape != x.shape[:1]:
+        raise ShapeError(f"rowwise: fn gave {y.shape}, expected one value per row of x {x.shape}")
+    if x.requires_grad:
+        J = grad(y.sum(), [x], local=True)[0]
+        y = with_gradient(custom(_After(), [y, J], y.shape), (x,),
+                          lambda g, x: (g.reshape(-1, *(1,) * (x.ndim - 1)) * J,))
+    return (y,) + aux if isinstance(res, tuple) else y
+
+
+def _sources(t):
+    return t.backward[0] if t.backward is not None else t.src
+
+
 def _topo(root, stop=frozenset()):
     order, seen = [], set()
     stack = [(root, False)]
@@ -107,7 +150,7 @@ def _topo(root, stop=frozenset()):
         seen.add(id(t))
         stack.append((t, True))
         if id(t) not in stop:
-            stack.extend((s, False) for s in t.src if s.requires_grad)
+            stack.extend((s, False) for s in _sources(t) if s.requires_grad)
     return order
 
 
@@ -126,12 +169,17 @@ def grad(loss: Tensor, params, upstream: Tensor | None = None, local: bool = Fal
         g = grads.pop(id(t), None)
         if g is not None and id(t) in wanted:
             found[id(t)] = g            # params may be inner nodes too (a custom op's inputs)
-        if g is None or not t.src or (local and id(t) in wanted):
+        if g is None or not _sources(t) or (local and id(t) in wanted):
             continue
-        rule = GRADIENTS.get(t.op)
-        if rule is None:
-            raise NotImplementedError(f"no gradient rule for op {t.op}")
-        for s, gs in zip(t.src, rule(t, g, *t.src)):
+        if t.backward is not None:
+            srcs, explicit = t.backward
+            pairs = zip(srcs, explicit(g, *srcs))
+        else:
+            rule = GRADIENTS.get(t.op)
+            if rule is None:
+                raise NotImplementedError(f"no gradient rule for op {t.op}")
+            pairs = zip(t.src, rule(t, g, *t.src))
+        for s, gs in pairs:
             if gs is None or not s.requires_grad:
                 continue
             if gs.shape != s.shape:

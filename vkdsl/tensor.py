@@ -33,12 +33,14 @@ def broadcast_shape(*shapes, what="broadcast") -> tuple:
 
 
 class Tensor:
-    __slots__ = ("op", "src", "arg", "shape", "dtype", "buffer", "requires_grad", "grad", "name", "__weakref__")
+    __slots__ = ("op", "src", "arg", "shape", "dtype", "buffer", "requires_grad", "grad", "name", "backward",
+                 "__weakref__")
 
     def __init__(self, op, src=(), arg=None, shape=(), dtype="float32", buffer=None, requires_grad=False,
                  name=None):
         self.op, self.src, self.arg, self.shape, self.dtype = op, tuple(src), arg, tuple(int(s) for s in shape), dtype
         self.buffer, self.requires_grad, self.grad, self.name = buffer, requires_grad, None, name
+        self.backward = None       # (sources, rule): an explicit gradient (vkdsl.autograd.with_gradient)
 
     # ---- construction -------------------------------------------------------------
     @staticmethod
