@@ -6,6 +6,7 @@ dense fp32); LoRA adapters are applied beside them and can be switched off per c
 base distribution comes from the same weights in the same step."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -60,18 +61,27 @@ class Llama:
         return y + lo.delta(x) if (lo is not None and adapters_on) else y
 
     def forward(self, ids: Tensor, adapters_on: bool = True, cos=None, sin=None, kv=None, mask=None,
-                hidden_only=False, start: int = 0, stop: int | None = None) -> Tensor:
+                hidden_only=False, start: int = 0, stop: int | None = None, positions=None,
+                segments=None) -> Tensor:
         """ids: (B, T) int32 -> logits (B, T, vocab).
         kv: optional KV cache (models.generate.KVCache) for generation.
         start > 0: `ids` is instead the residual stream (B, T, dim) entering layer `start`.
-        stop: return the residual stream entering layer `stop` (no final norm, no head)."""
+        stop: return the residual stream entering layer `stop` (no final norm, no head).
+        positions, segments: (B, T) int32 for packed rows (train.packing): each token's position
+        within its row, and a row id; a token attends only to earlier tokens of its own row."""
         c = self.cfg
         B, T = ids.shape[:2]
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
-        if cos is None:
-            if T > c.context_length:
-                raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
+        if T > c.context_length:
+            raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
+        if positions is not None:
+            flat = positions.reshape(B * T)
+            cos, sin = (t.gather(flat).reshape(B, T, D // 2) for t in (self._cos, self._sin))
+        elif cos is None:
             cos, sin = self._cos[:T], self._sin[:T]
+        if segments is not None:
+            same = segments.reshape(B, T, 1).eq(segments.reshape(B, 1, T))
+            mask = same.where(0.0, -math.inf)            # (B, T, T): block-diagonal rows
         x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
         for i in range(start, c.n_layers if stop is None else stop):
             p = f"blk.{i}."

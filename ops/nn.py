@@ -59,13 +59,14 @@ def rope_tables(positions, head_dim: int, base: float) -> tuple[np.ndarray, np.n
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary embedding in the GGUF / llama.cpp layout: adjacent pairs (2i, 2i+1) of each head
-    rotate together. x: (..., T, H, D); cos, sin: (T, D/2)."""
+    rotate together. x: (..., T, H, D); cos, sin: (T, D/2), or (..., T, D/2) when each sequence
+    has its own positions (packed rows restart theirs)."""
     *lead, T, H, D = x.shape
-    if D % 2 or cos.shape != (T, D // 2) or sin.shape != cos.shape:
+    if D % 2 or cos.shape not in ((T, D // 2), (*lead, T, D // 2)) or sin.shape != cos.shape:
         raise ShapeError(f"rope: x {x.shape} needs cos/sin of shape ({T}, {D // 2}), got {cos.shape}, {sin.shape}")
     xp = x.reshape(*lead, T, H, D // 2, 2)
     x0, x1 = xp[..., 0], xp[..., 1]                       # (..., T, H, D/2)
-    c, s = cos.reshape(T, 1, D // 2), sin.reshape(T, 1, D // 2)
+    c, s = cos.reshape(*cos.shape[:-1], 1, D // 2), sin.reshape(*sin.shape[:-1], 1, D // 2)
     y0 = x0 * c - x1 * s
     y1 = x0 * s + x1 * c
     pad = ((0, 0),) * (len(lead) + 3)

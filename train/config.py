@@ -29,6 +29,7 @@ class TrainConfig:
     max_len: int = 96
     truncation_side: str = "left"                    # left: drop the prompt's start; right: the completion's end
     bucket: int = 16                                 # pad lengths to multiples: few compiled programs
+    pack: bool = True                                # short rows share a sequence (train.packing)
     # adapter
     # the top third of SmolLM2's 30 layers, every projection but k: layers below the first adapter
     # run once per row (prefix cache), so a step costs a third of the model (BENCHMARKS.md)
@@ -143,6 +144,8 @@ HELP = {
     "max_len": "tokens per row after truncation",
     "truncation_side": "left: drop the prompt's start; right: the completion's end",
     "bucket": "pad lengths to multiples of this (few compiled programs)",
+    "pack": "SFT: several short rows share one sequence (block-diagonal attention, positions restart per "
+            "row) instead of padding",
     "targets": "comma-separated module patterns the adapters go on (attn_q, q_proj, ...)",
     "layers": "layers to adapt: '' = all, e.g. 0-3,7, or last:N for the top N layers",
     "rank": "LoRA rank r",

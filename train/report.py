@@ -13,7 +13,7 @@ from pathlib import Path
 from vkdsl.fileio import atomic_write
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
-SKIP = {"time", "tokens", "seq_tokens", "tokens_per_s", "lr", "grad_norm", "pairs", "heldout_correct", "heldout_n",
+SKIP = {"time", "tokens", "seq_tokens", "computed", "micro", "packed", "tokens_per_s", "lr", "grad_norm", "pairs", "heldout_correct", "heldout_n",
         "merge_argmax", "merge_max_diff", "checksum_changed", "eval_seconds"}   # counts and bookkeeping: not curves
 GROUPS = [("Loss", ("loss",)), ("Preservation and held-out", ("preserv", "heldout", "held_out", "acc")),
           ("DPO drift and margins", ("drift", "margin", "pair"))]

@@ -18,6 +18,7 @@ import vkdsl
 from vkdsl.autograd import grad, rowwise
 from vkdsl.ops import losses
 
+from .packing import Packing
 from .prefix import FrozenPrefix
 
 IGNORE = -100
@@ -35,16 +36,18 @@ def select(labels: np.ndarray, bucket: int = 16):
     return p, lab
 
 
-def selected_hidden(model, ids, pos, adapters_on, start=0):
+def selected_hidden(model, ids, pos, adapters_on, start=0, packing=()):
     """The final hidden states (S, dim) at the flat positions pos. ids: (B, T) token ids, or with
-    start > 0 the residual stream entering layer `start` (train.prefix.FrozenPrefix)."""
+    start > 0 the residual stream entering layer `start` (train.prefix.FrozenPrefix).
+    packing: () or (positions, segments) of packed rows (train.packing)."""
     B, T = ids.shape[:2]
-    h = model.forward(ids, adapters_on=adapters_on, hidden_only=True, start=start)   # (B, T, dim)
+    pk = dict(zip(("positions", "segments"), packing))
+    h = model.forward(ids, adapters_on=adapters_on, hidden_only=True, start=start, **pk)   # (B, T, dim)
     return h.reshape(B * T, model.cfg.dim).gather(pos)
 
 
-def selected_logits(model, ids, pos, adapters_on, start=0):
-    return model.head(selected_hidden(model, ids, pos, adapters_on, start))         # (S, V)
+def selected_logits(model, ids, pos, adapters_on, start=0, packing=()):
+    return model.head(selected_hidden(model, ids, pos, adapters_on, start, packing))         # (S, V)
 
 
 HEAD_CHUNK = 256     # rows of logits per head call: 256 x 49152 x 4 B = 48 MiB, under storage-buffer limits
@@ -72,10 +75,11 @@ def _cat(parts):
     return out
 
 
-def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0):
-    """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, base logits (S,V)]) -> (ce_sum, kl_sum,
-    *grads). base_input: the base model's logits come in (cached) instead of a base forward.
-    start > 0: ids is the frozen prefix's output (train.prefix)."""
+def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0, packed: bool = False):
+    """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, positions, segments (B,T)] [, base
+    logits (S,V)]) -> (ce_sum, kl_sum, *grads). base_input: the base model's logits come in (cached)
+    instead of a base forward. start > 0: ids is the frozen prefix's output (train.prefix).
+    packed: rows share sequences (train.packing): their positions and segment ids come in too."""
     def rows(lg, labels, *base_lg):
         ce = -losses.token_logprobs(lg, labels)[0]
         if not base_lg:
@@ -84,9 +88,11 @@ def build_grad_fn(model, params, lam: float, base_input: bool = False, start: in
         return ce + kl * lam, ce, kl
 
     @vkdsl.trace
-    def grad_step(ids, pos, labels, inv_n, *base):
-        h = selected_hidden(model, ids, pos, True, start)
-        base_lg = () if lam <= 0 else (base[0],) if base_input else (selected_logits(model, ids, pos, False, start),)
+    def grad_step(ids, pos, labels, inv_n, *rest):
+        pk, base = (rest[:2], rest[2:]) if packed else ((), rest)
+        h = selected_hidden(model, ids, pos, True, start, pk)
+        base_lg = () if lam <= 0 else (base[0],) if base_input else \
+            (selected_logits(model, ids, pos, False, start, pk),)
         obj, ce, *kl = head_rows(model, h, rows, labels, *base_lg)
         ce_sum = ce.sum()
         kl_sum = kl[0].sum() if kl else ce_sum * 0.0
@@ -188,30 +194,54 @@ class Stepper:
         self.model, self.params, self.cfg, self.prefix = model, params, cfg, prefix
         budget = getattr(cfg, "tmkl_cache_bytes", 0)
         self.base_cache = BaseLogitCache(model, budget, prefix.start) if cfg.tmkl > 0 and budget > 0 else None
-        self.fn = build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None,
-                                start=prefix.start)
+        build = lambda packed: build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None,  # noqa: E731
+                                             start=prefix.start, packed=packed)
+        self.fn, self.fn_packed = build(False), build(True)
+        self.pack = bool(getattr(cfg, "pack", False))
         self.opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
 
     def grads(self, micro, n_total):
-        """micro: list of (ids, labels) numpy; n_total supervised tokens over all of them.
-        -> (summed grads, ce_sum, kl_sum)."""
+        """micro: list of (ids, labels[, lengths]) numpy; n_total supervised tokens over all of them.
+        With lengths (real tokens per row) and cfg.pack, rows are packed (train.packing).
+        -> (summed grads, ce_sum, kl_sum, {"computed": positions, "micro": n, "packed": n packed})."""
         acc, ce, kl = None, 0.0, 0.0
+        count = {"computed": 0, "micro": len(micro), "packed": 0}
         inv = np.array([1.0 / n_total], np.float32)
-        for ids, labels in micro:
+        for ids, labels, *lengths in micro:
             pos, lab = select(labels)
             x = self.prefix.feed(ids, labels)
             base = () if self.base_cache is None else (self.base_cache.logits(ids, labels, pos, x),)
-            out = self.fn(x, pos, lab, inv, *base)
+            pk = Packing.plan(lengths[0], ids.shape[1]) if self.pack and lengths else None
+            if pk is not None and pk.packed:
+                out = self._packed(pk, ids, labels, x, base, inv)
+                count["computed"] += pk.n_seq * pk.T
+                count["packed"] += 1
+            else:
+                out = self.fn(x, pos, lab, inv, *base)
+                count["computed"] += ids.size
             ce, kl = ce + float(out[0]), kl + float(out[1])
             gs = [np.asarray(g, np.float32) for g in out[2:]]
             acc = gs if acc is None else [a + g for a, g in zip(acc, gs)]
-        return acc, ce, kl
+        return acc, ce, kl, count
+
+    def _packed(self, pk, ids, labels, x, base, inv):
+        """The step on packed rows: the frozen prefix's streams and cached base logits (computed row
+        by row in the padded layout) are moved to the packed layout."""
+        plab = pk.apply(labels, IGNORE)
+        pos, lab = select(plab)
+        if base:
+            order = pk.supervised_order(labels)
+            moved = np.zeros((len(pos),) + base[0].shape[1:], np.float32)
+            moved[:len(order)] = base[0][order]
+            base = (moved,)
+        feed = pk.apply(x, 0)
+        return self.fn_packed(feed, pos, lab, inv, pk.positions(), pk.segments(), *base)
 
     def step(self, micro, lr):
-        n_total = int(sum((lab != IGNORE).sum() for _, lab in micro))
+        n_total = int(sum((m[1] != IGNORE).sum() for m in micro))
         if n_total == 0:
             raise ValueError("an optimizer step with no supervised token")
-        gs, ce, kl = self.grads(micro, n_total)
+        gs, ce, kl, count = self.grads(micro, n_total)
         raw = gs
         gs, norm = clip(gs, self.cfg.clip)
         cur = [p.numpy() for p in self.params]
@@ -219,4 +249,4 @@ class Stepper:
         for p, a in zip(self.params, new):
             p.assign(vkdsl.tensor(a))
         return {"loss": ce / n_total, "tmkl": kl / n_total, "grad_norm": norm, "tokens": n_total,
-                "raw_grads": raw}
+                **count, "raw_grads": raw}

@@ -64,7 +64,8 @@ class Run:
         self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix)
         self.init_sum = evidence.checksum([p.numpy() for p in self.params])
         self.step, self.first_loss, self.last_loss = 0, None, None
-        self.tokens = {"computed": 0, "real": 0, "supervised": 0}     # over the steps this process ran
+        # over the steps this process ran; micro-batches, and those packed (train.packing)
+        self.tokens = {"computed": 0, "real": 0, "supervised": 0, "micro": 0, "packed": 0}
 
     # ---- preflight ----
     def preflight(self):
@@ -101,9 +102,9 @@ class Run:
             if not (lab != IGNORE).any():
                 raise DataError(f"batch at step {self.step + 1} has no supervised token: rows "
                                 f"{', '.join(r.where for r in rows)}")
-            out.append((ids, lab))
-            self.tokens["real"] += sum(len(r.ids) for r in rows)
-            self.tokens["computed"] += ids.size
+            lengths = np.array([min(len(r.ids), ids.shape[1]) for r in rows])
+            out.append((ids, lab, lengths))
+            self.tokens["real"] += int(lengths.sum())
             self.tokens["supervised"] += int((lab != IGNORE).sum())
         return out
 
@@ -276,7 +277,9 @@ class Run:
                                       f"before applying it; the last good checkpoint (step "
                                       f"{self._ckpt_step()}) is kept in {self.dir}")
             self.step += 1
-            rec.update(lr=lr, time=time.perf_counter() - t0, seq_tokens=sum(i.size for i, _ in micro))
+            for k in ("computed", "micro", "packed"):
+                self.tokens[k] += rec[k]
+            rec.update(lr=lr, time=time.perf_counter() - t0, seq_tokens=rec["computed"])
             if self.step == 1 and self.first_loss is None:
                 self.first_loss = rec["loss"]
             if self.step == 1:
@@ -352,7 +355,9 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
     if tk["computed"]:
         rep.say(f"SFT token efficiency: {tk['computed']:,} positions computed, {tk['real']:,} real "
                 f"({100 * tk['real'] / tk['computed']:.0f}%; the rest is padding), {tk['supervised']:,} supervised "
-                f"({100 * tk['supervised'] / tk['computed']:.1f}%)")
+                f"({100 * tk['supervised'] / tk['computed']:.1f}%); "
+                + (f"{tk['packed']} of {tk['micro']} micro-batches packed several rows into a sequence"
+                   if cfg.pack else "packing off"))
     if finished and cfg.checkpoint_every and r.step % cfg.checkpoint_every:
         r.save()
     r.final, r.gates = None, []

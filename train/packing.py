@@ -1,0 +1,79 @@
+"""Row packing: several short rows share one sequence instead of each padding to the longest.
+
+Rows are placed first-fit, in batch order, into sequences of the micro-batch's own length T (the
+bucketed longest row), so packing never lengthens a sequence; it only removes padded sequences.
+Inside a sequence each row restarts its positions at 0 and sees only its own tokens (block-
+diagonal causal attention), so every row's logits are what it would get alone: the model needs
+the per-token positions and segment ids (models.llama.Llama.forward, `positions=`, `segments=`).
+
+A Packing maps arrays in the padded layout (B, T, ...) to the packed one (P, T, ...) and the
+supervised positions' order between the two (for logits computed or cached row by row)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .data import IGNORE
+
+
+@dataclass
+class Packing:
+    T: int
+    lengths: np.ndarray              # (B,) real tokens per row
+    place: list                      # per row: (sequence, offset)
+    n_seq: int
+
+    @classmethod
+    def plan(cls, lengths, T: int) -> "Packing":
+        free, place = [], []
+        for n in (int(x) for x in lengths):
+            if not 0 < n <= T:
+                raise ValueError(f"packing: a row of {n} tokens does not fit a sequence of {T}")
+            s = next((i for i, f in enumerate(free) if f >= n), None)
+            if s is None:
+                s = len(free)
+                free.append(T)
+            place.append((s, T - free[s]))
+            free[s] -= n
+        return cls(T, np.asarray(lengths, np.int64), place, len(free))
+
+    @property
+    def packed(self) -> bool:
+        """True when some sequence holds more than one row."""
+        return self.n_seq < len(self.place)
+
+    def apply(self, arr: np.ndarray, fill) -> np.ndarray:
+        """(B, T, ...) padded layout -> (P, T, ...): row b's real tokens moved to its place."""
+        out = np.full((self.n_seq, self.T) + arr.shape[2:], fill, arr.dtype)
+        for b, ((s, o), n) in enumerate(zip(self.place, self.lengths)):
+            out[s, o:o + n] = arr[b, :n]
+        return out
+
+    def positions(self) -> np.ndarray:
+        """(P, T) int32: each token's position within its own row (0 on padding)."""
+        pos = np.zeros((self.n_seq, self.T), np.int32)
+        for (s, o), n in zip(self.place, self.lengths):
+            pos[s, o:o + n] = np.arange(n)
+        return pos
+
+    def segments(self) -> np.ndarray:
+        """(P, T) int32: 1 + the row index a token belongs to; 0 on padding."""
+        seg = np.zeros((self.n_seq, self.T), np.int32)
+        for b, ((s, o), n) in enumerate(zip(self.place, self.lengths)):
+            seg[s, o:o + n] = b + 1
+        return seg
+
+    def supervised_order(self, labels: np.ndarray) -> np.ndarray:
+        """For the packed layout's supervised positions in flat order, the index of the same token
+        among the padded layout's supervised positions (flat order): packed[i] = padded[order[i]]."""
+        B, T = labels.shape
+        live = labels != IGNORE
+        index = np.full((B, T), -1, np.int64)
+        index[live] = np.arange(int(live.sum()))
+        return self.apply(index, -1).reshape(-1)[self.apply(live, False).reshape(-1)]
+
+    def efficiency(self, labels: np.ndarray) -> dict:
+        """Tokens computed, real and supervised, packed and as padded rows would have been."""
+        return {"computed": self.n_seq * self.T, "computed_unpacked": len(self.place) * self.T,
+                "real": int(self.lengths.sum()), "supervised": int((labels != IGNORE).sum())}
