@@ -6,6 +6,7 @@ dense fp32); LoRA adapters are applied beside them and can be switched off per c
 base distribution comes from the same weights in the same step."""
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 
 import vkdsl
 from vkdsl import Tensor
+from vkdsl.realize import depends_on
 from vkdsl.runtime import default_device
 from vkdsl.ops import attention, nn
 
@@ -20,6 +22,49 @@ from .config import LINEARS, LlamaConfig
 from .tensors import LlamaCheckpoint
 from .weights import device_weight, planned_bytes
 
+
+
+_versions = itertools.count(1)
+
+
+class AdapterTable(dict):
+    """The model's adapters by module name; `version` changes (to a number no table had before)
+    whenever an entry is set or removed or the table is replaced, so a traced program that captured
+    the previous adapters is rebuilt (vkdsl.realize.depends_on) rather than replayed with them.
+    Training updates adapter values in place: no new version."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._bump()
+
+    def _bump(self):
+        self.version = next(_versions)
+
+    def __setitem__(self, k, v):
+        super().__setitem__(k, v)
+        self._bump()
+
+    def __delitem__(self, k):
+        super().__delitem__(k)
+        self._bump()
+
+    def clear(self):
+        super().clear()
+        self._bump()
+
+    def pop(self, *a):
+        out = super().pop(*a)
+        self._bump()
+        return out
+
+    def update(self, *a, **k):
+        super().update(*a, **k)
+        self._bump()
+
+    def setdefault(self, k, v=None):
+        if k not in self:
+            self[k] = v
+        return self[k]
 
 
 class Llama:
@@ -42,9 +87,17 @@ class Llama:
         self.embed = device_weight(ckpt["token_embd.weight"], quant)
         self.head = device_weight(ckpt["output.weight"], quant) if "output.weight" in ckpt.tensors \
             else self.embed.as_linear()
-        self.lora = {}                # module name (blk.{i}.attn_q) -> ops.lora.LoRA
+        self._lora = AdapterTable()   # module name (blk.{i}.attn_q) -> ops.lora.LoRA
         cos, sin = nn.rope_tables(np.arange(c.context_length), c.head_dim, c.rope_base)
         self._cos, self._sin = vkdsl.tensor(cos, name="rope_cos"), vkdsl.tensor(sin, name="rope_sin")
+
+    @property
+    def lora(self) -> AdapterTable:
+        return self._lora
+
+    @lora.setter
+    def lora(self, table):
+        self._lora = AdapterTable(table)
 
     # ---- memory honesty ----
     def device_bytes(self) -> dict:
@@ -72,6 +125,7 @@ class Llama:
         c = self.cfg
         B, T = ids.shape[:2]
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        depends_on(lambda: self.lora.version)       # a traced forward holds these adapter objects
         if T > c.context_length:
             raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
         if positions is not None:

@@ -210,3 +210,39 @@ def test_tiny_gguf_tokenizer_variants(tmp_path, tiny):
     # " 2024" stays one piece here (merged digits); smollm splits it into " ", "2", "0", ...
     assert len(tok.encode(" 2024", add_special=False)) < 3
     assert Tokenizer.from_gguf(tiny.gguf_path).encode(" 2024") == [35, 53, 51, 53, 55]
+
+
+
+def test_a_traced_forward_follows_swapped_adapters(tiny):
+    """Replacing an adapter object after tracing rebuilds the program (it captured the old object);
+    updating adapter values in place, as training does, replays the same program."""
+    import vkdsl
+    from vkdsl.trace import BUILT
+    from vkdsl.models import load_model_files
+    from vkdsl.models.llama import Llama
+    from vkdsl.ops.lora import LoRA
+    m = Llama(load_model_files(tiny.gguf_path)[0])
+    name = "blk.1.attn_v"
+    out_f, in_f = m.linear[name].shape
+    rng = np.random.default_rng(0)
+    random_b = lambda: vkdsl.tensor(rng.standard_normal((4, out_f)).astype(np.float32))   # noqa: E731
+
+    def adapter(seed):
+        lo = LoRA.init(in_f, out_f, 4, 8.0, seed=seed, name="attn_v")
+        lo.B.assign(random_b())
+        return lo
+    m.lora[name] = adapter(1)
+    ids = rng.integers(3, 300, (1, 9)).astype(np.int32)
+    fwd = vkdsl.trace(lambda t: m.forward(t))
+    first = fwd(ids)
+    built = BUILT["programs"]
+    m.lora[name] = adapter(2)
+    swapped = fwd(ids)
+    want = m.forward(vkdsl.tensor(ids)).numpy()
+    assert BUILT["programs"] == built + 1 and np.abs(swapped - first).max() > 1e-3
+    np.testing.assert_allclose(swapped, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    m.lora[name].B.assign(random_b())                 # in place: the same program, the new values
+    updated = fwd(ids)
+    want = m.forward(vkdsl.tensor(ids)).numpy()
+    assert BUILT["programs"] == built + 1
+    np.testing.assert_allclose(updated, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -25,9 +25,19 @@ class Capture:
 
     def __init__(self):
         self.assigns = []
+        self.guards = []           # (probe, value at trace time): see depends_on
 
 
 _state = threading.local()
+
+
+def depends_on(probe):
+    """Inside a traced function: the program being built is valid only while probe() returns what it
+    returns now (vkdsl.trace rebuilds it otherwise). E.g. a model's table of adapter objects, which
+    the program captured by identity: swapping an adapter must not replay the old one."""
+    cap = getattr(_state, "capture", None)
+    if cap is not None:
+        cap.guards.append((probe, probe()))
 
 
 @contextlib.contextmanager

@@ -43,6 +43,8 @@ class Traced:
     def compile(self, *arrays):
         arrays = [_as_input(a, i) for i, a in enumerate(arrays)]
         key = self._key(arrays)
+        if key in self.programs and any(probe() != value for probe, value in self.programs[key][2]):
+            self.programs.pop(key)[0].release()        # what it captured changed: build it again
         if key not in self.programs:
             t0 = time.perf_counter()
             holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype]) for i, a in enumerate(arrays)]
@@ -54,13 +56,13 @@ class Traced:
                     raise TypeError(f"traced function returned {type(o)}, expected Tensor")
             prog = Program(outs, holders, cap.assigns, device=self.device, label=getattr(self.fn, "__name__", "trace"),
                            guard_bytes=self.guard_bytes)
-            self.programs[key] = (prog, rebuild)
+            self.programs[key] = (prog, rebuild, cap.guards)
             BUILT["programs"] += 1
             BUILT["seconds"] += time.perf_counter() - t0
         return self.programs[key], arrays
 
     def __call__(self, *arrays):
-        (prog, rebuild), arrays = self.compile(*arrays)
+        (prog, rebuild, _), arrays = self.compile(*arrays)
         return rebuild(prog.run(arrays))
 
     def program(self, *arrays) -> Program:
