@@ -17,6 +17,7 @@ from .formats import FORMATS, NF4_GROUP, Format, array_nbytes, check_shape, get_
 
 QUANT_PUSH = PushLayout("<2I", "quant_push.glsl")        # QuantPush: N, K
 MV_ROWS = 4          # up to this many rows of X use the matrix-vector kernel (qmatvec.comp)
+MV_LOCAL = 16        # its workgroup: small, so a 576-column matrix is 9 workgroups for the driver's threads
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
         # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
         name = f"qmatvec_{f.name}"
         kernel = build_kernel(dev, "qmatvec.comp", name, dict(f.defines, MV_ROWS=MV_ROWS), 2 + len(f.arrays),
-                              MATMUL_PUSH, (64, 1, 1))
-        return QuantPlan(name=name, kernel=kernel, groups=grid_for(dev, -(-N // 4)), push=MATMUL_PUSH.pack(M, N, K, 0, 0, 0),
+                              MATMUL_PUSH, (MV_LOCAL, 1, 1))
+        return QuantPlan(name=name, kernel=kernel, groups=grid_for(dev, -(-N // 4), MV_LOCAL), push=MATMUL_PUSH.pack(M, N, K, 0, 0, 0),
                          fmt=f.name, N=N, K=K, bytes_x=4 * M * K, bytes_c=4 * M * N, flops=2 * M * N * K)
     vec = widest([red, sx], lvp_widths(dev))
     name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1)
