@@ -15,7 +15,8 @@ from vkdsl.bench import step_flops, time_steps
 
 CLASSES = ("quantized matmul, forward (x·Wᵀ)", "quantized matmul, input gradient (dy·W)", "LM head + cross-entropy",
            "attention forward (fused kernel)", "LoRA (narrow matmuls)", "fp32 matmul (attention backward, other)",
-           "elementwise and reductions (norms, RoPE, SwiGLU, softmax pieces)", "embedding gather")
+           "elementwise and reductions (norms, RoPE, SwiGLU, softmax pieces)", "embedding gather",
+           "attention backward (fused kernels)", "ordering copies (head + loss fusion)")
 
 
 def kernel_class(step, vocab: int) -> str:
@@ -26,8 +27,12 @@ def kernel_class(step, vocab: int) -> str:
             if vocab in (t.shape[-1], getattr(t.arg, "shape", (0, 0))[0]):
                 return CLASSES[2]
             return CLASSES[0] if "_nt_" in name else CLASSES[1]
+        if name.startswith("attention_backward"):
+            return CLASSES[8]
         if name.startswith("attention"):
             return CLASSES[3]
+        if name == "after":
+            return CLASSES[9]
         return CLASSES[7]
     if step.kind == "matmul":
         a, b = t.src
@@ -60,8 +65,8 @@ def table(prog, vocab: int, wall_s: float, objective: str) -> list[dict]:
 
 
 def profile_sft(path=None) -> list[dict]:
-    """The trainer's own step on one default batch (bundled data, q,v, r = 8, TMKL 0.1, base
-    logits cached after the first visit)."""
+    """The trainer's own step on one default batch (the default config: its adapters, TMKL, the
+    frozen prefix and the base logits cached after the first visit)."""
     from .config import TrainConfig
     from .progress import Reporter
     from .step import select
@@ -73,11 +78,12 @@ def profile_sft(path=None) -> list[dict]:
     t = time.perf_counter()
     r.stepper.step(micro, 1e-6)
     wall = time.perf_counter() - t
-    ids, labels = micro[0]
+    ids, labels = micro[0][:2]
     pos, lab = select(labels)
-    args = [ids, pos, lab, np.ones(1, np.float32)]
+    x = r.stepper.prefix.feed(ids, labels)              # the stream entering the first adapted layer
+    args = [x, pos, lab, np.ones(1, np.float32)]
     if r.stepper.base_cache is not None:
-        args.append(r.stepper.base_cache.logits(ids, labels, pos))
+        args.append(r.stepper.base_cache.logits(ids, labels, pos, x))
     return table(r.stepper.fn.program(*args), r.model.cfg.vocab_size, wall / len(micro), "sft")
 
 
