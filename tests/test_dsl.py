@@ -29,6 +29,32 @@ def test_elementwise_chain_fuses_into_one_kernel(rng):
     assert nmse(out.numpy(), ref) < 1e-12
 
 
+def test_vector_elementwise_kernels(rng):
+    """A last axis divisible by 4 renders 4 elements per invocation with vec4 loads of the leaves
+    read at the output's own index (the output's shape, or a broadcast row); every other read
+    (a broadcast column, a permuted or sliced or padded view) stays scalar inside the same kernel."""
+    from vkdsl import render
+    a, row, col = (rng.standard_normal(s).astype(np.float32) for s in [(6, 12), (12,), (6, 1)])
+    p = rng.standard_normal((12, 6)).astype(np.float32)
+    big = rng.standard_normal((6, 16)).astype(np.float32)
+    A, R, C, P, G = T(a), T(row), T(col), T(p), T(big)
+    out = ((A * R + C) - P.permute(1, 0)).maximum(G[:, 2:14] * 0.5) + (A > 0.3).where(R, -C) + \
+        A.pad(((0, 0), (1, 0)))[:, :12]
+    steps, _ = plan([out], [])
+    assert steps[-1].kind == "elementwise" and render.vector_elementwise(steps[-1].node)
+    src = render.render_step(steps[-1]).source
+    assert "b1v[" in src and "b0v[g]" in src, "the vector path must be the one under test"
+    a64 = a.astype(np.float64)
+    shifted = np.pad(a64, ((0, 0), (1, 0)))[:, :12]
+    ref = np.maximum(a64 * row + col - p.T, big[:, 2:14] * 0.5) + np.where(a64 > 0.3, row, -col) + shifted
+    assert nmse(out.numpy(), ref) < 1e-13
+    ids = T(rng.integers(-5, 300, (8, 4)).astype(np.int32))
+    moved = ids.permute(1, 0).contiguous()                       # an int32 vector kernel
+    np.testing.assert_array_equal(moved.numpy(), ids.numpy().T)
+    n = T(rng.standard_normal((5, 7)).astype(np.float32))        # 7 columns: the scalar kernel
+    assert not render.vector_elementwise((n * 2.0).contiguous())
+
+
 @pytest.mark.parametrize("sa,sb", [((7,), (7,)), ((33, 1023), (1023,)), ((33, 1), (33, 1023)),
                                    ((), (3,)), ((3, 1, 7), (1, 33, 7))])
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "maximum"])

@@ -32,9 +32,16 @@ def _strides(shape):
 class Emitter:
     """Writes the statements for one fused expression; shared subexpressions become temporaries."""
 
-    def __init__(self, leaf_index):
+    def __init__(self, leaf_index, direct=None):
         self.leaf_index = leaf_index     # id(tensor) -> binding number, for materialized inputs
         self.lines, self.memo, self.n = [], {}, 0
+        # vector elementwise kernels: leaves shaped like the output's trailing axes (the output itself
+        # or a broadcast row such as a norm weight), read at the output's index: from a vec4
+        # loaded once (v{binding}[e]) while element e of the invocation is emitted
+        self.direct, self.used_direct, self.e, self.out_idx = direct or {}, set(), None, None
+
+    def element(self, e, idx):
+        self.e, self.out_idx = e, list(idx)
 
     def tmp(self, expr, ty="float"):
         self.n += 1
@@ -58,6 +65,10 @@ class Emitter:
         return v
 
     def _emit(self, t, idx):
+        if id(t) in self.direct and list(idx) == self.out_idx[len(self.out_idx) - t.ndim:]:
+            k = self.direct[id(t)]
+            self.used_direct.add(k)
+            return f"float(v{k}[{self.e}])" if t.dtype == "int32" else f"v{k}[{self.e}]"
         if id(t) in self.leaf_index:
             off = " + ".join(f"{i} * {s}u" for i, s in zip(idx, _strides(t.shape)) if s and i != "0u") or "0u"
             load = f"b{self.leaf_index[id(t)]}[{off}]"
@@ -153,20 +164,57 @@ def render_step(step) -> Rendered:
     if step.kind == "gather":
         table, idx = t.src
         return Rendered(name, gather(table.shape, math.prod(idx.shape)), (LOCAL, 1, 1), -(-n // LOCAL))
-    return Rendered(name, elementwise(t, step.inputs), (LOCAL, 1, 1), -(-n // LOCAL))
+    per = VEC_EW if vector_elementwise(t) else 1
+    return Rendered(name, elementwise(t, step.inputs), (LOCAL, 1, 1), -(-n // (LOCAL * per)))
 
 
 def elementwise(node, leaves) -> str:
-    """out[i] = expr(node) for every element; leaves are bound at 1.. in order."""
-    em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)})
+    """out[i] = expr(node) for every element; leaves are bound at 1.. in order. When the last axis
+    is a multiple of VEC_EW, each invocation computes VEC_EW consecutive elements and every leaf read
+    at exactly the output's index (same shape, no view between) is one vec4 load: on CPU drivers
+    each load whose address differs between lanes is a loop over the lanes, so 4 floats per load
+    instead of 1 is most of an elementwise kernel's time."""
     n = math.prod(node.shape)
-    idx = [f"i{d}" for d in range(len(node.shape))]
-    v = em.emit(node, idx)
-    decl = "".join(f"  uint {name} = {expr};\n" for name, expr in zip(idx, _unflatten("gid", node.shape)))
-    body = "\n".join(em.lines)
-    store = f"int({v})" if node.dtype == "int32" else v
-    return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) +
-            f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n}u) return;\n{decl}{body}\n  b0[gid] = {store};\n}}\n")
+    if not vector_elementwise(node):
+        em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)})
+        idx = [f"i{d}" for d in range(len(node.shape))]
+        v = em.emit(node, idx)
+        decl = "".join(f"  uint {name} = {expr};\n" for name, expr in zip(idx, _unflatten("gid", node.shape)))
+        body = "\n".join(em.lines)
+        store = f"int({v})" if node.dtype == "int32" else v
+        return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) +
+                f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n}u) return;\n{decl}{body}\n  b0[gid] = {store};\n}}\n")
+    nd = len(node.shape)
+    direct = {id(l): i + 1 for i, l in enumerate(leaves) if 0 < l.ndim <= nd and l.shape == node.shape[nd - l.ndim:]}
+    em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)}, direct)
+    lines, vals = [], []
+    for e in range(VEC_EW):
+        idx = [f"i{d}_{e}" for d in range(len(node.shape))]
+        lines += [f"  uint {name} = {expr};" for name, expr in zip(idx, _unflatten(f"(g * {VEC_EW}u + {e}u)", node.shape))]
+        em.element(e, idx)
+        vals.append(em.emit(node, idx))
+    def first(k):          # the vec4 holding elements 0..3 of this invocation, in leaf k's own layout
+        t = leaves[k - 1]
+        idx0 = [f"i{d}_0" for d in range(nd)][nd - t.ndim:]
+        return " + ".join(f"{i} * {st}u" for i, st in zip(idx0, _strides(t.shape))) + f") / {VEC_EW}u"
+    loads = [f"  {'i' if leaves[k - 1].dtype == 'int32' else ''}vec4 v{k} = b{k}v[({first(k)}];"
+             for k in sorted(em.used_direct)]
+    vec = "ivec4" if node.dtype == "int32" else "vec4"
+    store = f"{vec}({', '.join(vals)})"
+    aliases = "".join(f"layout(std430, binding = {k}) {'writeonly' if k == 0 else 'readonly'} buffer B{k}v "
+                      f"{{ {'i' if (node if k == 0 else leaves[k - 1]).dtype == 'int32' else ''}vec4 b{k}v[]; }};\n"
+                      for k in [0] + sorted(em.used_direct))
+    return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) + aliases +
+            f"void main() {{\n  uint g = {GID};\n  if (g >= {n // VEC_EW}u) return;\n" + "\n".join(lines) + "\n" +
+            "\n".join(loads) + "\n" + "\n".join(em.lines) + f"\n  b0v[g] = {store};\n}}\n")
+
+
+VEC_EW = 4
+
+
+def vector_elementwise(node) -> bool:
+    """Whether an elementwise node is rendered VEC_EW elements per invocation (see elementwise)."""
+    return len(node.shape) > 0 and node.shape[-1] % VEC_EW == 0 and math.prod(node.shape) > 0
 
 
 def reduction(node, leaves, group: int) -> str:
