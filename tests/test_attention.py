@@ -18,40 +18,33 @@ from test_grad import check, f32
 LIMIT = 1e-10
 
 
-def reference(q, k, v, mask=None, causal=True):
-    """float64 grouped-query attention: q (B, Tq, Hq, D), k, v (B, Tk, Hkv, D), mask (B, Tq, Tk)."""
+def _probs(q, k, v, mask, causal):
+    """float64 (q, kv heads repeated per query head, p (B, Hq, Tq, Tk), G); rows with no key are 0."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
     B, Tq, Hq, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
-    kk, vv = np.repeat(k, Hq // Hkv, axis=2), np.repeat(v, Hq // Hkv, axis=2)
-    s = np.einsum("bihd,bjhd->bhij", q, kk) / np.sqrt(D)
-    if causal:
-        s = s + np.where(np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + (Tk - Tq), 0.0, -np.inf)
-    if mask is not None:
-        s = s + np.asarray(mask, np.float64)[:, None]
-    m = s.max(-1, keepdims=True)
-    p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
-    l = p.sum(-1, keepdims=True)
-    p = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
-    return np.einsum("bhij,bjhd->bihd", p, vv)
-
-
-def reference_grads(q, k, v, g, mask=None, causal=True, h=None):
-    """d sum(out * g) / d(q, k, v) in float64, from the reference by the chain rule written out."""
-    q, k, v, g = (np.asarray(a, np.float64) for a in (q, k, v, g))
-    B, Tq, Hq, D = q.shape
-    G = Hq // k.shape[2]
+    Tk, G = k.shape[1], Hq // k.shape[2]
     kk, vv = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
     s = np.einsum("bihd,bjhd->bhij", q, kk) / np.sqrt(D)
     if causal:
-        Tk = k.shape[1]
         s = s + np.where(np.arange(Tk)[None, :] <= np.arange(Tq)[:, None] + (Tk - Tq), 0.0, -np.inf)
     if mask is not None:
         s = s + np.asarray(mask, np.float64)[:, None]
     m = s.max(-1, keepdims=True)
     p = np.exp(s - np.where(np.isfinite(m), m, 0.0))
     l = p.sum(-1, keepdims=True)
-    p = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
+    return q, kk, vv, np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0), G
+
+
+def reference(q, k, v, mask=None, causal=True):
+    """float64 grouped-query attention: q (B, Tq, Hq, D), k, v (B, Tk, Hkv, D), mask (B, Tq, Tk)."""
+    _, _, vv, p, _ = _probs(q, k, v, mask, causal)
+    return np.einsum("bhij,bjhd->bihd", p, vv)
+
+
+def reference_grads(q, k, v, g, mask=None, causal=True):
+    """d sum(out * g) / d(q, k, v) in float64, from the reference by the chain rule written out."""
+    q, kk, vv, p, G = _probs(q, k, v, mask, causal)
+    g, D = np.asarray(g, np.float64), q.shape[-1]
     dv = np.einsum("bhij,bihd->bjhd", p, g)
     dp = np.einsum("bihd,bjhd->bhij", g, vv)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True)) / np.sqrt(D)
