@@ -6,6 +6,7 @@ import click
 from . import bench as _bench
 from . import devices as _devices
 from . import models as _models
+from . import probe as _probe
 from . import train as _train
 from . import verify as _verify
 from .common import Commands
@@ -24,4 +25,5 @@ main.add_command(_bench.bench)
 for _name in _models.COMMANDS:
     main.add_command(getattr(_models, _name))
 main.add_command(_train.train)
+main.add_command(_probe.probe)
 main.add_command(_train.report)

@@ -21,6 +21,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     # model and data
     model: str = ""                                  # "" = the default SmolLM2 GGUF
+    quant: str = "keep"                              # the frozen base on the device: keep, none, int4, nf4
     train_file: str = str(DATA / "routing_train.jsonl")
     heldout_file: str = str(DATA / "routing_heldout.jsonl")
     preservation_file: str = str(DATA / "preservation.jsonl")
@@ -30,6 +31,9 @@ class TrainConfig:
     truncation_side: str = "left"                    # left: drop the prompt's start; right: the completion's end
     bucket: int = 16                                 # pad lengths to multiples: few compiled programs
     pack: bool = True                                # short rows share a sequence (train.packing)
+    rehearsal_file: str = ""                         # general text mixed into SFT (its own loss term)
+    rehearsal_weight: float = 0.0                    # w: objective = task mean + w * general-text mean
+    rehearsal_batch: int = 4                         # general-text passages per step
     # adapter
     # the top third of SmolLM2's 30 layers, every projection but k: layers below the first adapter
     # run once per row (prefix cache), so a step costs a third of the model (BENCHMARKS.md)
@@ -83,12 +87,17 @@ class TrainConfig:
 
     def validate(self):
         checks = [
+            (self.quant in ("keep", "none", "int4", "nf4"), "quant must be keep, none, int4 or nf4"),
             (self.max_len >= 8, "max_len must be >= 8"),
             (self.truncation_side in ("left", "right"), "truncation_side must be 'left' or 'right'"),
             (self.bucket >= 1, "bucket must be >= 1"),
             (self.rank >= 1, "rank must be >= 1"),
             (self.alpha > 0, "alpha must be > 0"),
             (self.tmkl >= 0, "tmkl (lambda) must be >= 0"),
+            (self.rehearsal_weight >= 0 and self.rehearsal_batch >= 1,
+             "rehearsal_weight must be >= 0 and rehearsal_batch >= 1"),
+            (self.rehearsal_weight == 0 or self.rehearsal_file,
+             "rehearsal_weight > 0 needs a rehearsal_file of general text"),
             (self.tmkl_cache_bytes >= 0, "tmkl_cache_bytes must be >= 0"),
             (self.prefix_cache_bytes >= 0, "prefix_cache_bytes must be >= 0"),
             (self.lr > 0, "lr must be > 0"),
@@ -136,6 +145,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # One line of help per setting: `vkdsl-train --help` is generated from FIELDS and this table.
 HELP = {
     "model": "GGUF file or Hugging Face folder ('' = the installed SmolLM2-135M-Instruct)",
+    "quant": "how the frozen base is stored on the device: keep (the file's own blocks, e.g. Q4_1), none "
+             "(fp32), int4 or nf4 (packed on load, group 64)",
     "train_file": "SFT rows, JSONL: prompt/completion (optionally system) or messages",
     "heldout_file": "held-out rows (same format) for accuracy and loss evidence",
     "preservation_file": "JSONL rows of plain text whose loss must not rise (preservation)",
@@ -146,6 +157,10 @@ HELP = {
     "bucket": "pad lengths to multiples of this (few compiled programs)",
     "pack": "SFT: several short rows share one sequence (block-diagonal attention, positions restart per "
             "row) instead of padding",
+    "rehearsal_file": "general text (plain lines or JSONL {text}) mixed into SFT as its own loss term; keep it "
+                      "disjoint from preservation_file, which measures",
+    "rehearsal_weight": "w: SFT objective = task mean + w * mean next-token loss on the rehearsal text",
+    "rehearsal_batch": "rehearsal passages per optimizer step (taken in order, cycling)",
     "targets": "comma-separated module patterns the adapters go on (attn_q, q_proj, ...)",
     "layers": "layers to adapt: '' = all, e.g. 0-3,7, or last:N for the top N layers",
     "rank": "LoRA rank r",
@@ -229,7 +244,8 @@ def _coerce(name, value):
 
 
 # input files a TOML config may name relative to itself
-FILE_FIELDS = ("model", "train_file", "heldout_file", "preservation_file", "dpo_train_file", "dpo_heldout_file")
+FILE_FIELDS = ("model", "train_file", "heldout_file", "preservation_file", "rehearsal_file", "dpo_train_file",
+               "dpo_heldout_file")
 
 
 def _unknown(key, where):

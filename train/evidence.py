@@ -87,12 +87,16 @@ def label_candidates(heldout: list[Example], labels, encode):
     return idx, cands
 
 
-def accuracy(heldout, idx, cand_scores, labels):
-    k = 0
-    for j, i in enumerate(idx):
-        sc = [cand_scores[j * len(labels) + t][0] for t in range(len(labels))]
-        k += labels[int(np.argmax(sc))] == heldout[i].completion.strip()
-    return k, len(idx)
+def label_probs(lp: np.ndarray) -> np.ndarray:
+    """(n, L) label log-probs -> each row's probabilities renormalized within the label set."""
+    z = lp - lp.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def target_prob(lp: np.ndarray, truth) -> float | None:
+    """Mean probability of the true label within the label set (None without labelled rows)."""
+    return float(np.mean(label_probs(lp)[np.arange(len(truth)), truth])) if len(truth) else None
 
 
 def per_category(rows, scored):

@@ -28,7 +28,7 @@ def dpo_stage(r):
     reference = cfg.reference if cfg.reference != "auto" else ("sft" if cfg.objective == "sft+dpo" else "base")
     rep.say(f"DPO: {len(pairs)} training pairs, {len(held)} held-out pairs, beta {cfg.dpo_beta}, reference = "
             f"{ {'sft': 'the SFT adapter, frozen', 'base': 'the base (adapter off)', 'none': 'none (control)'}[reference]}")
-    hashes = {"base": r.identity["base_sha256"], "tokenizer": r.identity["tokenizer_sha256"],
+    hashes = {"base": f"{r.identity['base_sha256']}:{cfg.quant}", "tokenizer": r.identity["tokenizer_sha256"],
               "template": _hash_text(r.tok.chat_template)}
     dcfg = dict(pad_id=r.pad, bucket=cfg.bucket, max_len=cfg.max_len, dpo_batch=cfg.dpo_batch, eval_batch=cfg.eval_batch, dpo_beta=cfg.dpo_beta,
                 dpo_lr=cfg.dpo_lr, dpo_steps=cfg.dpo_steps, dpo_nll_weight=cfg.dpo_nll_weight, clip=cfg.clip,

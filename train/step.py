@@ -237,11 +237,21 @@ class Stepper:
         feed = pk.apply(x, 0)
         return self.fn_packed(feed, pos, lab, inv, pk.positions(), pk.segments(), *base)
 
-    def step(self, micro, lr):
+    def step(self, micro, lr, rehearsal=None):
+        """rehearsal: (micro-batches of general text, weight w): the objective becomes the task's
+        mean plus w times the general text's mean (each over its own supervised tokens)."""
         n_total = int(sum((m[1] != IGNORE).sum() for m in micro))
         if n_total == 0:
             raise ValueError("an optimizer step with no supervised token")
         gs, ce, kl, count = self.grads(micro, n_total)
+        extra = {}
+        if rehearsal is not None and rehearsal[1] > 0:
+            rmicro, w = rehearsal
+            n_r = int(sum((m[1] != IGNORE).sum() for m in rmicro))
+            gr, ce_r, _, cr = self.grads(rmicro, n_r / w)
+            gs = [a + b for a, b in zip(gs, gr)]
+            count["computed"] += cr["computed"]
+            extra["rehearsal_loss"] = ce_r / n_r
         raw = gs
         gs, norm = clip(gs, self.cfg.clip)
         cur = [p.numpy() for p in self.params]
@@ -249,4 +259,4 @@ class Stepper:
         for p, a in zip(self.params, new):
             p.assign(vkdsl.tensor(a))
         return {"loss": ce / n_total, "tmkl": kl / n_total, "grad_norm": norm, "tokens": n_total,
-                **count, "raw_grads": raw}
+                **count, **extra, "raw_grads": raw}

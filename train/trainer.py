@@ -39,9 +39,9 @@ class Run:
         self.model_path = path
         t0 = time.perf_counter()
         self.ckpt, self.tok = load_model_files(path)
-        self.model = Llama(self.ckpt)
+        self.model = Llama(self.ckpt, quant=cfg.quant)
         self.identity = {"base_sha256": checkpoint.sha256_file(path),
-                         "tokenizer_sha256": checkpoint.tokenizer_hash(self.tok)}
+                         "tokenizer_sha256": checkpoint.tokenizer_hash(self.tok), "quant": cfg.quant}
         self.names = inject(self.model, cfg)
         self.params = params_of(self.model, self.names)
         self.r.say(f"model {path} loaded in {time.perf_counter() - t0:.1f}s")
@@ -51,10 +51,14 @@ class Run:
         self.train = load_examples(cfg.train_file, self.tok, *enc)
         self.heldout = load_examples(cfg.heldout_file, self.tok, *enc) if cfg.heldout_file else []
         self.passages = load_passages(cfg.preservation_file, self.tok, cfg.max_len) if cfg.preservation_file else []
+        self.rehearsal = load_passages(cfg.rehearsal_file, self.tok, cfg.max_len) if cfg.rehearsal_file else []
         for what, rows in (("train", self.train), ("held-out", self.heldout)):
             n = sum(r.truncated for r in rows)
             self.r.say(f"{what}: {len(rows)} rows, {n} truncated ({cfg.truncation_side} side, max_len {cfg.max_len})")
         self.r.say(f"preservation: {len(self.passages)} passages")
+        if self.rehearsal:
+            self.r.say(f"rehearsal: {len(self.rehearsal)} passages of general text, weight {cfg.rehearsal_weight}, "
+                       f"{cfg.rehearsal_batch} per step")
         self.prefix = FrozenPrefix(self.model, first_adapted_layer(self.names), cfg.prefix_cache_bytes)
         if self.prefix.start:
             self.r.say(f"layers 0-{self.prefix.start - 1} carry no adapter: their output is computed once per row "
@@ -108,6 +112,16 @@ class Run:
             self.tokens["supervised"] += int((lab != IGNORE).sum())
         return out
 
+    def rehearsal_batch(self, step):
+        """The general-text micro-batch of an optimizer step: passages in file order, cycling (a
+        function of the step alone, so a resumed run sees the same ones)."""
+        if not self.rehearsal or self.cfg.rehearsal_weight <= 0:
+            return None
+        n, b = len(self.rehearsal), self.cfg.rehearsal_batch
+        rows = [self.rehearsal[(step * b + j) % n] for j in range(b)]
+        ids, lab = collate(rows, self.pad, self.cfg.bucket, self.cfg.max_len)
+        return [(ids, lab, np.array([min(len(r.ids), ids.shape[1]) for r in rows]))], self.cfg.rehearsal_weight
+
     # ---- evidence ----
     def encode_candidate(self, ex, label):
         c = self.cfg
@@ -117,7 +131,7 @@ class Run:
     def base_evidence(self):
         t0 = time.perf_counter()
         self.cand_idx, self.cands = evidence.label_candidates(self.heldout, self.cfg.labels, self.encode_candidate)
-        self.extra = self._single_token_labels()
+        self.extra = self._single_token_labels(self.heldout, self.cand_idx, self.cands)
         if self.extra is not None:
             self.r.say("labels are single tokens after the prompt: each held-out row is scored once, "
                        "comparing the label tokens' log-probs at the answer position")
@@ -143,18 +157,18 @@ class Run:
         c = self.cfg
         parts = {**self.identity, "heldout": checkpoint.sha256_file(c.heldout_file),
                  "preservation": checkpoint.sha256_file(c.preservation_file) if c.preservation_file else "",
-                 "settings": [c.labels, c.chat_template, c.max_len, c.truncation_side, c.bucket, c.eval_batch]}
+                 "settings": [c.quant, c.labels, c.chat_template, c.max_len, c.truncation_side, c.bucket, c.eval_batch]}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
-    def _single_token_labels(self):
-        """Per held-out row [(answer position, label token) for each label] when every label is
-        one token at the same position after an identical prefix; else None (score candidates)."""
+    def _single_token_labels(self, rows, idx, cands):
+        """Per row [(answer position, label token) for each label] when every label is one token
+        at the same position after an identical prefix; else None (score candidates)."""
         L = len(self.cfg.labels)
-        extra = [[] for _ in self.heldout]
-        for j, i in enumerate(self.cand_idx):
-            ex = self.heldout[i]
+        extra = [[] for _ in rows]
+        for j, i in enumerate(idx):
+            ex = rows[i]
             p0 = next(t for t, x in enumerate(ex.labels) if x != IGNORE)
-            for c in self.cands[j * L:(j + 1) * L]:
+            for c in cands[j * L:(j + 1) * L]:
                 q0 = next(t for t, x in enumerate(c.labels) if x != IGNORE)
                 sup = [x for x in c.labels if x != IGNORE]
                 if q0 != p0 or c.ids[:p0 + 1] != ex.ids[:p0 + 1] or len(sup) != 2 or sup[1] != self.tok.eos_id:
@@ -162,36 +176,43 @@ class Run:
                 extra[i].append((p0, sup[0]))
         return extra
 
+    def label_logprobs(self, rows, adapters_on=True):
+        """For the rows whose completion is one of cfg.labels: (their indices, (n, L) log-probs of
+        each label as the completion). The label probabilities within the label set are softmax of a
+        row (two-way for two labels): not the model's probability of emitting that token."""
+        idx, cands = evidence.label_candidates(rows, self.cfg.labels, self.encode_candidate)
+        if not idx:
+            return idx, np.zeros((0, len(self.cfg.labels)))
+        extra = self._single_token_labels(rows, idx, cands)
+        if extra is not None:
+            _, ext = self.scorer.row_logprobs(rows, adapters_on, extra)
+            return idx, np.array([ext[i] for i in idx], np.float64)
+        sc = self.scorer.row_logprobs(cands, adapters_on)
+        return idx, np.array([s for s, _ in sc], np.float64).reshape(len(idx), len(self.cfg.labels))
+
     def _scores(self, adapters_on):
+        """Held-out loss (per row), label log-probs of the labelled rows, preservation loss."""
+        L = len(self.cfg.labels)
         if self.extra is not None:
             held, ext = self.scorer.row_logprobs(self.heldout, adapters_on, self.extra)
-            k = n = 0
-            for i in self.cand_idx:
-                n += 1
-                k += self.cfg.labels[int(np.argmax(ext[i]))] == self.heldout[i].completion.strip()
-            pres = self.scorer.row_logprobs(self.passages, adapters_on) if self.passages else []
-            return {"held": held, "heldout_loss": evidence.mean_loss(held), "acc": k / n if n else None,
-                    "k": k, "n": n, "pres": evidence.mean_loss(pres) if pres else 0.0}
-        lab_set = set(self.cand_idx)
-        rest = [ex for i, ex in enumerate(self.heldout) if i not in lab_set]
-        cand = self.scorer.row_logprobs(self.cands, adapters_on) if self.cands else []
-        other = self.scorer.row_logprobs(rest, adapters_on) if rest else []
-        L = len(self.cfg.labels)
-        held, it = [], iter(other)
-        pos = {i: j for j, i in enumerate(self.cand_idx)}
-        for i, ex in enumerate(self.heldout):       # the true label's candidate is the row itself
-            if i in pos:
-                held.append(cand[pos[i] * L + self.cfg.labels.index(ex.completion.strip())])
-            else:
-                held.append(next(it))
-        acc = None
-        k = n = 0
-        if self.cand_idx:
-            k, n = evidence.accuracy(self.heldout, self.cand_idx, cand, self.cfg.labels)
-            acc = k / n
+            M = np.array([ext[i] for i in self.cand_idx], np.float64).reshape(len(self.cand_idx), L)
+        else:
+            lab_set = set(self.cand_idx)
+            rest = [ex for i, ex in enumerate(self.heldout) if i not in lab_set]
+            cand = self.scorer.row_logprobs(self.cands, adapters_on) if self.cands else []
+            other = self.scorer.row_logprobs(rest, adapters_on) if rest else []
+            M = np.array([s for s, _ in cand], np.float64).reshape(len(self.cand_idx), L)
+            held, it = [], iter(other)
+            pos = {i: j for j, i in enumerate(self.cand_idx)}
+            for i, ex in enumerate(self.heldout):       # the true label's candidate is the row itself
+                held.append(cand[pos[i] * L + self.cfg.labels.index(ex.completion.strip())] if i in pos else next(it))
+        truth = [self.cfg.labels.index(self.heldout[i].completion.strip()) for i in self.cand_idx]
+        n = len(truth)
+        k = int(sum(int(np.argmax(M[j])) == t for j, t in enumerate(truth)))
         pres = self.scorer.row_logprobs(self.passages, adapters_on) if self.passages else []
         return {"held": held, "heldout_loss": evidence.mean_loss(held) if held else float("nan"),
-                "acc": acc, "k": k, "n": n, "pres": evidence.mean_loss(pres) if pres else 0.0}
+                "acc": k / n if n else None, "k": k, "n": n, "label_lp": M, "truth": truth,
+                "pres": evidence.mean_loss(pres) if pres else 0.0}
 
     def evaluate(self):
         t0 = time.perf_counter()
@@ -202,6 +223,7 @@ class Run:
               "heldout_acc": sc["acc"], "heldout_correct": sc["k"], "heldout_n": sc["n"],
               "heldout_acc_ci": evidence.wilson(sc["k"], sc["n"]) if sc["n"] else None,
               "heldout_acc_base": self.base["acc"],
+              "heldout_target_prob": evidence.target_prob(sc["label_lp"], sc["truth"]),
               "preservation_loss": sc["pres"], "preservation_loss_base": self.base["pres"],
               "preservation_delta": sc["pres"] - self.base["pres"],
               "category_loss": evidence.per_category(self.heldout, sc["held"]),
@@ -265,13 +287,14 @@ class Run:
                         {**self.identity, "first_loss": self.first_loss, "last_loss": self.last_loss,
                          "init_checksum": self.init_sum})
 
-    def train_loop(self, stop_after=None):
+    def train_loop(self, stop_after=None, at_step=None):
+        """at_step(run) is called after each optimizer step (a probe's checkpoints)."""
         cfg = self.cfg
         while self.step < cfg.steps:
             micro = self.micro_batches(self.sampler.next())
             lr = lr_at(self.step + 1, cfg)
             t0 = time.perf_counter()
-            rec = self.stepper.step(micro, lr)
+            rec = self.stepper.step(micro, lr, self.rehearsal_batch(self.step))
             if not math.isfinite(rec["loss"]) or not math.isfinite(rec["tmkl"]):
                 raise TrainingStopped(f"non-finite loss ({rec['loss']}) at step {self.step + 1}: stopped "
                                       f"before applying it; the last good checkpoint (step "
@@ -293,6 +316,8 @@ class Run:
                 self.save()
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
                 self.evaluate()
+            if at_step is not None:
+                at_step(self)
             if stop_after is not None and self.step >= stop_after:
                 return False
         return True
@@ -329,8 +354,8 @@ def _mark_resume(metrics: Path, step: int):
     checkpoint.atomic_write(metrics, ("\n".join(keep) + "\n").encode())
 
 
-def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
-    """Returns the Run (its final evidence in .final, gates in .gates)."""
+def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None):
+    """Returns the Run (its final evidence in .final, gates in .gates). at_step: see Run.train_loop."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     rep = Reporter(run_dir / "train.log", cfg.quiet, cfg.jsonl)
@@ -349,7 +374,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True):
     if evidence_at_end:
         r.base_evidence()
     t0 = time.perf_counter()
-    finished = True if cfg.objective == "dpo" else r.train_loop(stop_after)
+    finished = True if cfg.objective == "dpo" else r.train_loop(stop_after, at_step)
     r.train_seconds = time.perf_counter() - t0
     tk = r.tokens
     if tk["computed"]:

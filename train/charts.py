@@ -1,0 +1,85 @@
+"""Inline SVG charts for the self-contained HTML reports (no script, no network): lines over a
+step axis (optionally log-scaled) and labelled bars. Each chart has one axis of one scale."""
+from __future__ import annotations
+
+import html
+import math
+
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
+L, R, T, B = 64, 150, 14, 34          # margins: axis labels left and below, legend right
+
+
+def _ticks(lo, hi, n=4):
+    return [lo + (hi - lo) * i / n for i in range(n + 1)]
+
+
+def _num(v, log=False):
+    v = 10 ** v if log else v
+    return f"{v:.2g}" if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e4) else f"{v:.3g}"
+
+
+def line_chart(series: dict, xlabel: str, ylabel: str, log: bool = False, w=600, h=240, xs=None) -> str:
+    """series: name -> list of y (x = 1..n, or xs) or of (x, y). log: log10 y axis (values <= 0
+    are dropped from a log chart and said in the legend)."""
+    pts, dropped = {}, {}
+    for name, ys in series.items():
+        pairs = [(p[0], p[1]) if isinstance(p, (tuple, list)) else ((xs[i] if xs else i + 1), p) for i, p in enumerate(ys)]
+        keep = [(x, y) for x, y in pairs if y is not None and math.isfinite(y) and (not log or y > 0)]
+        dropped[name] = len(pairs) - len(keep)
+        pts[name] = [(x, math.log10(y) if log else y) for x, y in keep]
+    every = [p for v in pts.values() for p in v]
+    if not every:
+        return ""
+    x0, x1 = min(p[0] for p in every), max(p[0] for p in every)
+    y0, y1 = min(p[1] for p in every), max(p[1] for p in every)
+    x1 = x1 if x1 > x0 else x0 + 1
+    if y1 == y0:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+    sx = lambda x: L + (x - x0) / (x1 - x0) * (w - L - R)          # noqa: E731
+    sy = lambda y: h - B - (y - y0) / (y1 - y0) * (h - T - B)      # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" font-size="11">',
+           f'<rect x="{L}" y="{T}" width="{w - L - R}" height="{h - T - B}" fill="none" stroke="#999"/>']
+    for t in _ticks(y0, y1):
+        out.append(f'<text x="{L - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{_num(t, log)}</text>')
+    for t in _ticks(x0, x1):
+        out.append(f'<text x="{sx(t):.1f}" y="{h - B + 14}" text-anchor="middle">{t:.4g}</text>')
+    out.append(f'<text x="{(L + w - R) / 2}" y="{h - 4}" text-anchor="middle">{html.escape(xlabel)}</text>')
+    out.append(f'<text x="12" y="{(T + h - B) / 2}" transform="rotate(-90 12 {(T + h - B) / 2})" '
+               f'text-anchor="middle">{html.escape(ylabel)}</text>')
+    for i, (name, p) in enumerate(pts.items()):
+        c = COLORS[i % len(COLORS)]
+        if len(p) == 1:
+            out.append(f'<circle cx="{sx(p[0][0]):.1f}" cy="{sy(p[0][1]):.1f}" r="3" fill="{c}"/>')
+        elif p:
+            d = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in p)
+            out.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" points="{d}"/>')
+        note = f" ({dropped[name]} <= 0 not shown)" if dropped[name] else ""
+        out.append(f'<text x="{w - R + 8}" y="{T + 12 + 14 * i}" fill="{c}">{html.escape(name + note)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+def bar_chart(values: dict, ylabel: str, w=600, h=220) -> str:
+    """values: label -> number (signed); one bar each, zero line drawn."""
+    if not values:
+        return ""
+    vs = list(values.values())
+    y0, y1 = min(0.0, min(vs)), max(0.0, max(vs))
+    if y1 == y0:
+        y1 = y0 + 1
+    n = len(vs)
+    bw = (w - L - 20) / n
+    sy = lambda y: h - B - (y - y0) / (y1 - y0) * (h - T - B)      # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" font-size="11">']
+    for t in _ticks(y0, y1):
+        out.append(f'<text x="{L - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{_num(t)}</text>')
+    for i, (k, v) in enumerate(values.items()):
+        top, bot = sorted((sy(v), sy(0)))
+        x = L + i * bw
+        out.append(f'<rect x="{x + 2:.1f}" y="{top:.1f}" width="{bw - 4:.1f}" height="{max(bot - top, 0.5):.1f}" '
+                   f'fill="{COLORS[0] if v >= 0 else COLORS[1]}"/>')
+        out.append(f'<text x="{x + bw / 2:.1f}" y="{h - B + 14}" text-anchor="middle">{html.escape(str(k))}</text>')
+    out.append(f'<line x1="{L}" x2="{w - 20}" y1="{sy(0):.1f}" y2="{sy(0):.1f}" stroke="#333"/>')
+    out.append(f'<text x="12" y="{(T + h - B) / 2}" transform="rotate(-90 12 {(T + h - B) / 2})" '
+               f'text-anchor="middle">{html.escape(ylabel)}</text></svg>')
+    return "".join(out)

@@ -1,0 +1,1 @@
+"""Probes on a real model (placeholder, filled below)."""

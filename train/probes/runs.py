@@ -1,0 +1,1 @@
+"""Probes that train (placeholder, filled below)."""
