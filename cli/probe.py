@@ -21,15 +21,20 @@ def _listing() -> str:
 def _command(p) -> click.Command:
     params = ", ".join(f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in p.defaults.items())
 
-    def callback(model_path, seeds, as_json, out, sets):
+    def callback(model_path, seeds, as_json, out, sets, config_path):
+        from vkdsl.train import config as C
         from vkdsl.train import probes
         from vkdsl.train.probes.report import write_report
         try:
             values = probes.parse_sets(p, sets)
+            train = {}
+            if config_path:
+                given = C.load(config_path).to_dict()
+                train = {k: v for k, v in given.items() if v != C.default_of(k)}
             open_device(None, announce=not as_json)
             work = Path(out) / p.name if out else Path("runs") / "probes" / f"{p.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-            ctx = probes.Context(model_path or "", seeds or p.seeds, work, values,
-                                 say=(lambda s: None) if as_json else (lambda s: click.echo(s, err=True)))
+            ctx = probes.Context(model_path or train.pop("model", ""), seeds or p.seeds, work, values,
+                                 say=(lambda s: None) if as_json else (lambda s: click.echo(s, err=True)), train=train)
             t0 = time.perf_counter()
             res = p.run(ctx)
             res.seconds, res.params = time.perf_counter() - t0, {**values, "seeds": ctx.seeds, "model": ctx.model}
@@ -59,7 +64,10 @@ def _command(p) -> click.Command:
                 click.Option(["--out"], type=click.Path(file_okay=False), default=None,
                              help="folder for OUT/NAME.html, OUT/NAME.json and the runs the probe trains"),
                 click.Option(["--set", "sets"], multiple=True, metavar="KEY=VALUE",
-                             help="override a parameter of the probe")])
+                             help="override a parameter of the probe"),
+                click.Option(["--config", "config_path"], type=click.Path(dir_okay=False), default=None,
+                             help="TOML of vkdsl-train settings the probe's runs start from (data, labels, "
+                                  "max_len, ...); the probe's own choices apply on top")])
 
 
 class ProbeGroup(click.Group):

@@ -87,12 +87,14 @@ class Probe:
 @dataclass
 class Context:
     """What a probe is given: the model path ('' = the default), seeds, an output folder for
-    the runs it trains (kept for inspection), its parameters, and a line printer."""
+    the runs it trains (kept for inspection), its parameters, a line printer, and trainer settings
+    that replace the defaults the probe starts from (its own choices still apply on top)."""
     model: str
     seeds: int
     work: object                  # pathlib.Path
     params: dict
     say: Callable = print
+    train: dict = field(default_factory=dict)    # trainer settings from --config (data, labels, max_len, ...)
 
 
 REGISTRY: dict[str, Probe] = {}
