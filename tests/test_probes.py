@@ -1,101 +1,166 @@
-"""The two training probes of issue 3, on the device: LoRA + AdamW inside a vkdsl.trace'd step.
+"""`vkdsl probe`: every probe at a reduced size, each checked against a reference computed here
+(float64 numpy, a published constant, the bytes of a format) rather than the probe's own claims;
+the two linear probes at their published sizes. The tiny model stands in for SmolLM2.
 
-(a) frozen 768x768 W, target from a rank-4 update, rank-8 LoRA: the loss falls by >= 6 orders
-    of magnitude and W's buffer bytes are unchanged (sha256 before and after).
-(b) a 64x64 update with singular values 8, 4, ..., 0.0625 fitted with LoRA ranks 1, 2, 4, 8, 16:
-    ranks 1, 2, 4 stop at the Eckart-Young floor, ranks 8 and 16 fit it to below 1e-9.
-
-Both use a learning rate held for 40% of the steps then decayed geometrically, and beta2 = 0.95:
-with torch's 0.999 the second moment remembers the large early gradients for ~1000 steps and the
-small directions crawl. Run: pytest tests/test_probes.py  (~15 s on lavapipe, 2 cores)
-"""
-import hashlib
+    pytest tests/test_probes.py        (~1.5 min on lavapipe, 2 cores)"""
+import json
+import shutil
 
 import numpy as np
+import pytest
 
-import vkdsl
-from vkdsl.autograd import grad
-from vkdsl.ops.lora import LoRA, lora_linear
-from vkdsl.ops.optim import AdamW
+from fixtures.train_data import tiny_setup, write_jsonl
+from vkdsl.cli import main
+from vkdsl.train import probes
 
-
-def schedule(steps, lr0, lr1, hold=0.4):
-    """lr0 for the first `hold` of the steps, then geometric decay to lr1 at the last step."""
-    h = int(steps * hold)
-    return [lr0 if k < h else lr0 * (lr1 / lr0) ** ((k - h) / (steps - 1 - h)) for k in range(steps)]
+SIGMA = [8, 4, 2, 1, 0.5, 0.25, 0.125, 0.0625]
 
 
-def orthonormal(rng, n, k):
-    return np.linalg.qr(rng.standard_normal((n, k)))[0]            # (n, k), orthonormal columns
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("probes")
+    tm, tr, he, pr = tiny_setup(d)
+    prefs = write_jsonl(d / "prefs.jsonl", [{"prompt": f"the dog {i} is", "chosen": " the fox",
+                                             "rejected": " a capital"} for i in range(8)])
+    train = dict(train_file=tr, heldout_file=he, preservation_file=pr, labels=["low", "medium", "high"],
+                 max_len=64, bucket=16, rank=4, alpha=8.0, lr=1e-2, warmup=1, batch_size=4, eval_batch=4,
+                 layers="", targets=["attn_q", "attn_v"], dpo_train_file=prefs, dpo_heldout_file=prefs,
+                 dpo_batch=4)
+    return tm, train, d
 
 
-def sha256(t: vkdsl.Tensor) -> str:
-    return hashlib.sha256(t.buffer.read(np.uint8, t.buffer.nbytes).tobytes()).hexdigest()
+def run_probe(name, tiny=None, seeds=None, **params):
+    p = probes.get(name)
+    tm, train, d = tiny if tiny else (None, {}, None)
+    work = (d / "work" / name) if d else None
+    if work is not None and work.exists():
+        shutil.rmtree(work)
+    ctx = probes.Context(str(tm.gguf_path) if tm else "", seeds or p.seeds, work,
+                         probes.parse_sets(p, [f"{k}={v}" for k, v in params.items()]), say=lambda s: None,
+                         train=train)
+    return p.run(ctx)
 
 
-def test_probe_frozen_base_rank4_target():
-    """Inputs: n = 128 rows of X orthonormal (so ||X M||_F = ||M||_F on X's row space); the
-    rank-4 update's input side lies in that row space, so all of it is observable.
-    loss = ||X W + s (X A) B - Y||_F^2 / n with Y = fp32(X (W + dW)) computed in float64."""
-    d, n = 768, 128
-    rng = np.random.default_rng(0)
-    X = orthonormal(rng, d, n).T                                     # (n, d)
-    W = (rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32)
-    U = X.T @ orthonormal(rng, n, 4)                                 # (d, 4), in X's row space
-    dW = (U * np.array([2.0, 1.5, 1.0, 0.5])) @ orthonormal(rng, d, 4).T
-    Y = (X @ (W.astype(np.float64) + dW)).astype(np.float32)
-    Wt, Xt, Yt = vkdsl.tensor(W, name="W"), vkdsl.tensor(X.astype(np.float32)), vkdsl.tensor(Y)
-    before = sha256(Wt)
-    lora = LoRA.init(d, d, 8, alpha=16.0, seed=1)
-    opt = AdamW(lora.params(), betas=(0.9, 0.95))
-
-    @vkdsl.trace
-    def step(scalars):
-        loss = (lora_linear(Xt, Wt, lora) - Yt).square().sum() * (1.0 / n)
-        opt.step(grad(loss, lora.params()), scalars)
-        return loss
-
-    losses = [float(step(opt.scalars(lr))) for lr in schedule(400, 2e-2, 1e-8)]
-    print(f"probe (a): loss {losses[0]:.4e} -> {losses[-1]:.4e} (x{losses[0] / losses[-1]:.3g})")
-    assert np.isclose(losses[0], np.sum((X @ dW) ** 2) / n, rtol=1e-4)     # B = 0: the base alone
-    assert losses[-1] <= losses[0] * 1e-6, f"loss {losses[0]:.3e} -> {losses[-1]:.3e}"
-    assert sha256(Wt) == before, "the frozen W's bytes changed"
-    assert np.array_equal(Wt.numpy(), W)
+def test_lowrank_published_size():
+    res = run_probe("lowrank")
+    v = {r["quantity"]: r["value"] for r in res.rows}
+    assert v["parameters of the full update d x d"] == 589_824 and v["parameters of the rank-8 patch 2 d r"] == 12_288
+    assert v["ratio"] == 48
+    assert v["W sha256 before"] == v["W sha256 after"]
+    assert v["loss at step 400"] <= 1e-6 * v["loss at step 1 (B = 0: the base alone)"]
+    assert res.passed
 
 
-SIGMA = np.array([8, 4, 2, 1, 0.5, 0.25, 0.125, 0.0625])
-RANKS = (1, 2, 4, 8, 16)
-
-
-def test_probe_eckart_young():
-    """Normalization: full-batch identity inputs, loss = ||I (s A B) - dW||_F^2 = ||s A B - dW||_F^2,
-    whose rank-r minimum is sum(SIGMA[r:]^2) (Eckart-Young); ||dW||_F^2 = 85.33. All five ranks
-    train in one traced step (one submit per step)."""
-    n = 64
-    rng = np.random.default_rng(0)
-    dW = (orthonormal(rng, n, 8) * SIGMA) @ orthonormal(rng, n, 8).T
-    assert np.allclose(np.linalg.svd(dW, compute_uv=False)[:8], SIGMA)
-    I, D = vkdsl.tensor(np.eye(n, dtype=np.float32)), vkdsl.tensor(dW.astype(np.float32))
-    loras = [LoRA.init(n, n, r, alpha=float(r), seed=r) for r in RANKS]
-    params = [p for lo in loras for p in lo.params()]
-    opt = AdamW(params, betas=(0.9, 0.95))
-
-    @vkdsl.trace
-    def step(scalars):
-        losses = [(lo.delta(I) - D).square().sum() for lo in loras]
-        total = losses[0]
-        for x in losses[1:]:
-            total = total + x
-        opt.step(grad(total, params), scalars)
-        return losses
-
-    for lr in schedule(1200, 2e-2, 1e-9):
-        final = [float(x) for x in step(opt.scalars(lr))]
-    print("probe (b): rank, final loss, Eckart-Young floor:",
-          [(r, f"{x:.6e}", f"{np.sum(SIGMA[r:] ** 2):.6e}") for r, x in zip(RANKS, final)])
-    for r, loss in zip(RANKS, final):
-        floor = float(np.sum(SIGMA[r:] ** 2))
-        if r < len(SIGMA):
-            assert abs(loss - floor) <= 5e-4 * floor, f"rank {r}: {loss:.6g} vs floor {floor:.6g}"
+def test_rank_floor_matches_eckart_young():
+    res = run_probe("rank-floor", seeds=2, ranks="1,4,8", steps=1200)
+    for row in res.rows:
+        floor = sum(s * s for s in SIGMA[row["rank"]:]) / 4096        # the published floors
+        best = float(row["median best MSE"])
+        if floor:
+            assert abs(best - floor) <= 5e-6 * floor, (row["rank"], best, floor)
         else:
-            assert loss < 1e-9, f"rank {r}: {loss:.3e}"
+            assert best < 1e-9
+    published = [0.005208015442, 0.000081062317, 0.0]               # the essay's table, ranks 1, 4, 8
+    assert [float(r["Eckart-Young floor"]) for r in res.rows] == pytest.approx(published, rel=1e-5, abs=1e-15)
+    assert res.passed
+
+
+def test_init_zero_b(tiny):
+    res = run_probe("init", tiny)
+    assert res.passed and len(res.rows) == 4                          # 2 layers x q, v
+    assert all(r["|dA| step 1"] == 0 and r["|dB| step 1"] > 0 and r["|dA| step 2"] > 0 for r in res.rows)
+
+
+def test_full_update_svd(tiny):
+    res = run_probe("full-update-svd", tiny, module="blk.1.attn_v", steps=20)
+    full, lora = res.rows
+    assert lora["99%"] <= 8 and full["99%"] > 8                        # rank-8 product vs a free matrix
+    assert res.passed
+
+
+def test_merge_precisions(tiny):
+    res = run_probe("merge", tiny, steps=6)
+    base, fp32, f16, req = res.rows
+    assert fp32["max |logit diff|"] <= 1e-3 and fp32["argmax agreement"] == 1.0
+    assert f16["max |logit diff|"] >= fp32["max |logit diff|"]
+    assert res.passed
+
+
+def test_int4_storage_bytes(tiny):
+    tm, train, d = tiny
+    res = run_probe("int4-storage", tiny, steps=6)
+    by = {r["storage"]: r for r in res.rows}
+    fp32 = by["fp32 (the file dequantized)"]["weight bytes on the device"]
+    assert by["int4 values in fp32 (control)"]["weight bytes on the device"] == fp32
+    # int4 storage: per 64 weights 32 bytes of codes and one fp32 scale; everything else fp32
+    from vkdsl.models import load_model_files
+    ck, _ = load_model_files(str(tm.gguf_path))
+    quantized = [n for n in ck.tensors if len(ck[n].shape) == 2 and ck[n].shape[1] % 64 == 0]
+    mats = [ck[n].shape for n in quantized]
+    vec = sum(int(np.prod(ck[n].shape)) for n in ck.tensors if n not in quantized)
+    assert by["int4 packed"]["weight bytes on the device"] == sum(n * k // 64 * 36 for n, k in mats) + 4 * vec
+    assert abs(by["int4 packed"]["preservation loss"] - by["int4 values in fp32 (control)"]["preservation loss"]) < 1e-3
+    assert res.passed
+
+
+def test_tickets_per_seed(tiny):
+    res = run_probe("tickets", tiny, seeds=2, steps=6)
+    assert [r["seed"] for r in res.rows] == ["base (adapter off)", 0, 1]    # per seed, never pooled
+    assert res.rows[1]["held-out accuracy, Wilson 95%"] != res.rows[2]["held-out accuracy, Wilson 95%"] or \
+        res.rows[1]["preservation change"] != res.rows[2]["preservation change"]    # seeds differ
+    assert res.passed
+
+
+def test_prompt_mask_control(tiny):
+    res = run_probe("prompt-mask", tiny, steps=6)
+    resp, every = res.rows
+    assert every["supervised tokens"] > resp["supervised tokens"]
+    assert res.passed
+
+
+def test_rehearsal_checkpoints(tiny):
+    res = run_probe("rehearsal", tiny, checkpoints="1,3,6", weights="0,1")
+    assert [(r["weight"], r["step"]) for r in res.rows] == [(0, 1), (0, 3), (0, 6), (1, 1), (1, 3), (1, 6)]
+    assert res.passed
+
+
+def test_dpo_drift_starts_at_ln2(tiny):
+    res = run_probe("dpo-drift", tiny, seeds=1, dpo_steps=2)
+    seed0, control = res.rows
+    assert abs(seed0["loss first"] - np.log(2)) < 1e-4
+    assert abs(seed0["margin improvement"] - (seed0["chosen drift"] - seed0["rejected drift"])) < 1e-6
+    assert res.passed
+
+
+def test_cli_list_unknown_set_json_out(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "--list"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in ("lowrank", "rank-floor", "init", "full-update-svd", "tickets", "prompt-mask",
+                                  "rehearsal", "int4-storage", "dpo-drift", "merge"))
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "no-such"])
+    assert e.value.code != 0 and "rank-floor" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "lowrank", "--set", "nope=1"])
+    assert e.value.code == 1 and "steps=400" in capsys.readouterr().err
+    # too few steps: the six-orders expectation fails -> exit 2, JSON rows, report written
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "lowrank", "--set", "steps=5", "--json", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert any(x.get("pass") is False for x in lines) and any("row" in x for x in lines)
+    saved = json.loads((tmp_path / "lowrank.json").read_text())
+    assert saved["passed"] is False and (tmp_path / "lowrank.html").read_text().count("<svg") == 1
+
+
+def test_probe_refuses_model_without_chat_template(tiny, tmp_path, capsys):
+    tm, train, d = tiny
+    hf = shutil.copytree(tm.hf_dir, tmp_path / "hf")
+    cfg = json.loads((hf / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template")
+    (hf / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "tickets", "--model", str(hf), "--out", str(tmp_path / "o")])
+    assert e.value.code == 1 and "needs a model with a chat template" in capsys.readouterr().err

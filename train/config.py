@@ -31,6 +31,7 @@ class TrainConfig:
     truncation_side: str = "left"                    # left: drop the prompt's start; right: the completion's end
     bucket: int = 16                                 # pad lengths to multiples: few compiled programs
     pack: bool = True                                # short rows share a sequence (train.packing)
+    loss_on: str = "completion"                      # completion (prompt masked) or all (negative control)
     rehearsal_file: str = ""                         # general text mixed into SFT (its own loss term)
     rehearsal_weight: float = 0.0                    # w: objective = task mean + w * general-text mean
     rehearsal_batch: int = 4                         # general-text passages per step
@@ -90,6 +91,7 @@ class TrainConfig:
             (self.quant in ("keep", "none", "int4", "nf4"), "quant must be keep, none, int4 or nf4"),
             (self.max_len >= 8, "max_len must be >= 8"),
             (self.truncation_side in ("left", "right"), "truncation_side must be 'left' or 'right'"),
+            (self.loss_on in ("completion", "all"), "loss_on must be completion or all"),
             (self.bucket >= 1, "bucket must be >= 1"),
             (self.rank >= 1, "rank must be >= 1"),
             (self.alpha > 0, "alpha must be > 0"),
@@ -161,6 +163,8 @@ HELP = {
                       "disjoint from preservation_file, which measures",
     "rehearsal_weight": "w: SFT objective = task mean + w * mean next-token loss on the rehearsal text",
     "rehearsal_batch": "rehearsal passages per optimizer step (taken in order, cycling)",
+    "loss_on": "SFT tokens scored: completion (the prompt masked) or all (prompt and template too: the "
+               "negative control of `vkdsl probe prompt-mask`); evaluation always scores completions",
     "targets": "comma-separated module patterns the adapters go on (attn_q, q_proj, ...)",
     "layers": "layers to adapt: '' = all, e.g. 0-3,7, or last:N for the top N layers",
     "rank": "LoRA rank r",

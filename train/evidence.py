@@ -158,9 +158,10 @@ def gates(ev, first_loss, cfg):
                   + ("" if base is None else f", Wilson 95% lower bound {lo:.3f} > base {base:.3f}")))
     g.append(("preservation damage", ev["preservation_delta"] <= cfg.gate_preservation,
               f"{ev['preservation_delta']:+.4f} <= {cfg.gate_preservation} nats/token"))
-    g.append(("train loss fell", first_loss - ev["train_loss"] > cfg.gate_train_drop,
-              f"{first_loss:.4f} -> {ev['train_loss']:.4f}"))
-    g.append(("adapter changed", ev["checksum_changed"], f"checksum {ev['checksum']}"))
+    if first_loss is not None:                  # no SFT step (objective dpo): no SFT gates
+        g.append(("train loss fell", first_loss - ev["train_loss"] > cfg.gate_train_drop,
+                  f"{first_loss:.4f} -> {ev['train_loss']:.4f}"))
+        g.append(("adapter changed", ev["checksum_changed"], f"checksum {ev['checksum']}"))
     if ev.get("merge_max_diff") is not None:
         g.append(("merged == separate", ev["merge_max_diff"] <= cfg.gate_merge,
                   f"max diff {ev['merge_max_diff']:.2e} <= {cfg.gate_merge}"))
@@ -181,7 +182,7 @@ def dpo_gates(ev, cfg):
 
 def table(ev) -> str:
     L = [f"evidence at step {ev['step']}:",
-         f"  train loss (last step)       {ev['train_loss']:.4f}",
+         f"  train loss (last step)       " + ("-" if ev["train_loss"] is None else f"{ev['train_loss']:.4f}"),
          f"  held-out loss                {ev['heldout_loss']:.4f}  (base {ev['heldout_loss_base']:.4f})"]
     if ev.get("heldout_acc") is not None:
         lo, hi = ev["heldout_acc_ci"]

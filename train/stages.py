@@ -42,6 +42,7 @@ def dpo_stage(r):
     t0 = time.perf_counter()
     history, ev = dpo.train_dpo(r.model, r.params, r.tok, dcfg, pairs, held, r.dir, rep.say, event, reference, hashes,
                                   r.prefix)
+    r.dpo_history = history
     if base_pres is not None and r.passages:
         ev["preservation_delta"] = r._scores(True)["pres"] - base_pres
     rep.say(f"DPO evidence ({time.perf_counter() - t0:.0f}s):")

@@ -188,12 +188,15 @@ def clip(gs, max_norm):
 class Stepper:
     """Accumulates micro-batch gradients and applies one AdamW update per optimizer step."""
 
-    def __init__(self, model, params, cfg, prefix=None):
-        """prefix: train.prefix.FrozenPrefix (None: the whole model every step)."""
+    def __init__(self, model, params, cfg, prefix=None, base_cache=None):
+        """prefix: train.prefix.FrozenPrefix (None: the whole model every step). base_cache: a
+        BaseLogitCache of the same model and prefix to continue (None: a new one)."""
         prefix = prefix or FrozenPrefix(model, 0, 0)
         self.model, self.params, self.cfg, self.prefix = model, params, cfg, prefix
         budget = getattr(cfg, "tmkl_cache_bytes", 0)
-        self.base_cache = BaseLogitCache(model, budget, prefix.start) if cfg.tmkl > 0 and budget > 0 else None
+        self.base_cache = None
+        if cfg.tmkl > 0 and budget > 0:
+            self.base_cache = base_cache if base_cache is not None else BaseLogitCache(model, budget, prefix.start)
         build = lambda packed: build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None,  # noqa: E731
                                              start=prefix.start, packed=packed)
         self.fn, self.fn_packed = build(False), build(True)

@@ -1,6 +1,7 @@
 """The training run: load, inject, preflight, train, evidence, gates, checkpoints, resume."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -30,7 +31,10 @@ class TrainingStopped(RuntimeError):
 
 
 class Run:
-    def __init__(self, cfg, run_dir, reporter: Reporter):
+    def __init__(self, cfg, run_dir, reporter: Reporter, reuse: "Run | None" = None):
+        """reuse: an earlier Run of this process on the same base (same file and quant): its loaded
+        model (adapters replaced), frozen-prefix rows and cached base logits are taken over, since
+        they depend only on the base and the rows (a probe's seeds and arms)."""
         self.cfg, self.dir, self.r = cfg, Path(run_dir), reporter
         path = cfg.model
         if not path:
@@ -38,10 +42,16 @@ class Run:
             path = default_model_path()
         self.model_path = path
         t0 = time.perf_counter()
-        self.ckpt, self.tok = load_model_files(path)
-        self.model = Llama(self.ckpt, quant=cfg.quant)
-        self.identity = {"base_sha256": checkpoint.sha256_file(path),
-                         "tokenizer_sha256": checkpoint.tokenizer_hash(self.tok), "quant": cfg.quant}
+        if reuse is not None and (reuse.model_path, reuse.cfg.quant) != (path, cfg.quant):
+            reuse = None
+        if reuse is not None:
+            self.ckpt, self.tok, self.model, self.identity = reuse.ckpt, reuse.tok, reuse.model, reuse.identity
+            self.model.lora = {}
+        else:
+            self.ckpt, self.tok = load_model_files(path)
+            self.model = Llama(self.ckpt, quant=cfg.quant)
+            self.identity = {"base_sha256": checkpoint.sha256_file(path),
+                             "tokenizer_sha256": checkpoint.tokenizer_hash(self.tok), "quant": cfg.quant}
         self.names = inject(self.model, cfg)
         self.params = params_of(self.model, self.names)
         self.r.say(f"model {path} loaded in {time.perf_counter() - t0:.1f}s")
@@ -49,6 +59,8 @@ class Run:
         self.pad = self.tok.pad_id if self.tok.pad_id is not None else self.tok.eos_id
         enc = (cfg.chat_template, cfg.max_len, cfg.truncation_side)
         self.train = load_examples(cfg.train_file, self.tok, *enc)
+        if cfg.loss_on == "all":          # the negative control: the prompt's tokens are scored too
+            self.train = [dataclasses.replace(x, labels=x.ids[1:] + [IGNORE]) for x in self.train]
         self.heldout = load_examples(cfg.heldout_file, self.tok, *enc) if cfg.heldout_file else []
         self.passages = load_passages(cfg.preservation_file, self.tok, cfg.max_len) if cfg.preservation_file else []
         self.rehearsal = load_passages(cfg.rehearsal_file, self.tok, cfg.max_len) if cfg.rehearsal_file else []
@@ -59,11 +71,16 @@ class Run:
         if self.rehearsal:
             self.r.say(f"rehearsal: {len(self.rehearsal)} passages of general text, weight {cfg.rehearsal_weight}, "
                        f"{cfg.rehearsal_batch} per step")
-        self.prefix = FrozenPrefix(self.model, first_adapted_layer(self.names), cfg.prefix_cache_bytes)
+        start = first_adapted_layer(self.names)
+        if reuse is not None and reuse.prefix.start == start and cfg.prefix_cache_bytes == reuse.cfg.prefix_cache_bytes:
+            self.prefix = reuse.prefix
+        else:
+            self.prefix = FrozenPrefix(self.model, start, cfg.prefix_cache_bytes)
         if self.prefix.start:
             self.r.say(f"layers 0-{self.prefix.start - 1} carry no adapter: their output is computed once per row "
                        f"and reused (prefix cache, up to {cfg.prefix_cache_bytes / 2**20:.0f} MiB)")
-        self.stepper = Stepper(self.model, self.params, cfg, self.prefix)
+        cache = reuse.stepper.base_cache if reuse is not None and reuse.prefix is self.prefix else None
+        self.stepper = Stepper(self.model, self.params, cfg, self.prefix, base_cache=cache)
         self.sampler = Sampler(self.train, cfg.batch_size * cfg.grad_accum, cfg.data_seed)
         self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix)
         self.init_sum = evidence.checksum([p.numpy() for p in self.params])
@@ -354,7 +371,7 @@ def _mark_resume(metrics: Path, step: int):
     checkpoint.atomic_write(metrics, ("\n".join(keep) + "\n").encode())
 
 
-def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None):
+def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None, reuse=None):
     """Returns the Run (its final evidence in .final, gates in .gates). at_step: see Run.train_loop."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -364,7 +381,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
     rep.say("configuration:\n" + cfg.pretty())
     if not resume:
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
-    r = Run(cfg, run_dir, rep)
+    r = Run(cfg, run_dir, rep, reuse)
     r.preflight()
     if resume and not any((Path(resume) / n).exists() for n in (checkpoint.NAME, checkpoint.LEGACY)):
         rep.say(f"no checkpoint in {resume} yet: starting from step 0 with its config")
