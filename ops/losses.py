@@ -52,6 +52,14 @@ def token_logprobs(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     return lp * mask, mask
 
 
+def greedy_gap(logits: Tensor, labels: Tensor) -> Tensor:
+    """max(z) - z[label] at each position (0 where unsupervised): exactly 0 where the label is the
+    greedy (argmax) token, since both sides are the same stored float there."""
+    _check_pair(logits, labels)
+    picked = (logits * _onehot(labels, logits.shape[-1])).sum(-1)
+    return (logits.max(-1) - picked) * (1.0 - labels.eq(IGNORE))
+
+
 def cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """Masked cross-entropy: (mean over supervised tokens, per-position losses (0 where ignored))."""
     lp, mask = token_logprobs(logits, labels)

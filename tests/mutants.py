@@ -84,6 +84,12 @@ MUTANTS = [
     Mutant("q4_1_minus_m", "vkdsl/kernels/quant_q4_1.glsl", "float(nibble(q.qs, e)) + q.dm.y;",
            "float(nibble(q.qs, e)) - q.dm.y;", ("tests/test_verify_cases.py", "-k", "dequant_q4_1"),
            "GGUF Q4_1 dequantized as d*q - m"),
+    Mutant("format_ignores_end_of_turn", "train/heldout.py", "                    fmt.append(sc.greedy[i])",
+           "                    fmt.append(True)", ("tests/test_surfaces.py", "-k", "format"),
+           "the format surface passes a right first label that is not followed by end-of-turn"),
+    Mutant("lora_b_starts_nonzero", "ops/lora.py", "vkdsl.tensor(np.zeros((r, d_out), np.float32), requires_grad=True",
+           "vkdsl.tensor(np.full((r, d_out), 1e-3, np.float32), requires_grad=True",
+           ("tests/test_probes.py", "-k", "init"), "LoRA B initialized away from zero"),
 ]
 
 

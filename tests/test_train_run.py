@@ -115,9 +115,9 @@ def test_single_token_label_scoring_equals_candidate_scoring(setup, tmp_path):
     r = Run(cfg, tmp_path / "s", Reporter(None, quiet=True))
     r.params[1].assign(__import__("vkdsl").tensor(np.full(r.params[1].shape, 0.05, np.float32)))
     r.base_evidence()
-    assert r.extra is not None
-    fast = r._scores(True)
-    r.extra = None
-    slow = r._scores(True)
+    assert r.held.extra is not None
+    fast = r.held.scores(True)
+    r.held.extra = None
+    slow = r.held.scores(True)
     assert (fast["k"], fast["n"]) == (slow["k"], slow["n"]) and slow["n"] == 3
     assert fast["heldout_loss"] == pytest.approx(slow["heldout_loss"], rel=1e-5)

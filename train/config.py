@@ -75,12 +75,18 @@ class TrainConfig:
     eval_batch: int = 8
     checkpoint_every: int = 10
     merge_check_rows: int = 2
+    format_tokens: int = 8                           # greedy tokens generated for a format failure shown
+    stability_rows: int = 16                         # held-out rows re-decided on the fp32-dequantized base
     gate_heldout_acc: float = 0.5                    # held-out label accuracy must exceed this (and its
                                                      # Wilson lower bound the base's accuracy)
     gate_dpo_pair_acc: float = 0.5                   # DPO: held-out pair accuracy must exceed this
     gate_preservation: float = 0.10                  # preservation loss may rise at most this (nats/token)
     gate_train_drop: float = 0.0                     # final train loss must be below the first by more
     gate_merge: float = 1e-2                         # merged-vs-separate max logit difference
+    gate_format: float = 0.9                         # greedy output = exactly one label + end-of-turn, share
+    gate_calibration: float = 0.25                   # expected calibration error of the label decision, at most
+    gate_slice: float = 0.5                          # accuracy of the worst category, at least
+    gate_stability: float = 0.9                      # decisions equal on the fp32-dequantized base, share
     verify: bool = True                              # short `vkdsl verify` pass over the kernels used
     out: str = ""
     quiet: bool = False
@@ -116,6 +122,9 @@ class TrainConfig:
             (self.weight_decay >= 0, "weight_decay must be >= 0"),
             (self.clip >= 0, "clip must be >= 0"),
             (self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every/checkpoint_every must be >= 0"),
+            (self.format_tokens >= 1 and self.stability_rows >= 0, "format_tokens must be >= 1, stability_rows >= 0"),
+            (all(0 <= getattr(self, g) <= 1 for g in ("gate_format", "gate_calibration", "gate_slice", "gate_stability")),
+             "gate_format, gate_calibration, gate_slice and gate_stability must be in [0, 1]"),
             (len(self.targets) > 0, "targets must name at least one module pattern"),
             (self.objective in ("sft", "dpo", "sft+dpo"), "objective must be sft, dpo or sft+dpo"),
             (self.reference in ("auto", "base", "sft", "none"), "reference must be auto, base, sft or none"),
@@ -200,12 +209,19 @@ HELP = {
     "eval_batch": "rows per evaluation batch",
     "checkpoint_every": "steps between checkpoints; 0 = only at the end",
     "merge_check_rows": "rows on which merged and separate logits are compared",
+    "format_tokens": "format surface: tokens generated greedily for each failure shown (three at most)",
+    "stability_rows": "stability surface: held-out rows decided again with the same adapter on the base "
+                      "dequantized to fp32 (0 = skip)",
     "gate_heldout_acc": "gate: held-out label accuracy must exceed this, and its Wilson 95% lower bound the "
                         "base model's accuracy",
     "gate_dpo_pair_acc": "gate: DPO held-out pair accuracy (chosen above rejected) must exceed this",
     "gate_preservation": "gate: preservation loss may rise at most this (nats/token)",
     "gate_train_drop": "gate: the final train loss must be below the first by more than this",
     "gate_merge": "gate: merged-vs-separate max logit difference",
+    "gate_format": "gate: share of held-out prompts whose greedy output is exactly one label then end-of-turn",
+    "gate_calibration": "gate: expected calibration error of the label decision (10 bins) at most this",
+    "gate_slice": "gate: label accuracy of the worst held-out category at least this",
+    "gate_stability": "gate: share of decisions unchanged when the base is dequantized to fp32",
     "verify": "a short `vkdsl verify` pass over the kernels used, before training",
     "out": "run folder ('' = runs/<date-time>)",
     "quiet": "print only the summary",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,6 +28,17 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, c - h), min(1.0, c + h)
 
 
+@dataclass
+class RowScores:
+    """Per row: (sum of supervised log-probs, count); the extra positions' log-probs; whether every
+    supervised token is the greedy one (teacher-forced: the greedy continuation reproduces them);
+    per extra position whether its token is greedy there."""
+    sums: list
+    extra: list
+    greedy: list
+    extra_greedy: list
+
+
 class Scorer:
     """Per-row sum of next-token log-probs over supervised positions, adapters on or off."""
 
@@ -39,14 +51,19 @@ class Scorer:
     def _build(self, on):
         @vkdsl.trace
         def score(ids, pos, labels):
-            lp, _ = losses.token_logprobs(selected_logits(self.model, ids, pos, on, self.prefix.start), labels)
-            return lp
+            lg = selected_logits(self.model, ids, pos, on, self.prefix.start)
+            lp, _ = losses.token_logprobs(lg, labels)
+            return [lp, losses.greedy_gap(lg, labels)]
         return score
 
     def row_logprobs(self, rows: list[Example], adapters_on=True, extra=None):
         """-> [(sum log p over the row's supervised tokens, count)], and when extra (per row a list
         of (position, token)) is given, also the log-probs of those tokens at those positions."""
-        out, ext = [], []
+        sc = self.scores(rows, adapters_on, extra)
+        return (sc.sums, sc.extra) if extra else sc.sums
+
+    def scores(self, rows: list[Example], adapters_on=True, extra=None) -> RowScores:
+        out = RowScores([], [], [], [])
         for s in range(0, len(rows), self.batch):
             chunk = rows[s:s + self.batch]
             fill = [Example(chunk[0].ids, [IGNORE] * len(chunk[0].ids), "", "")] * (self.batch - len(chunk))
@@ -64,12 +81,15 @@ class Scorer:
             p = np.zeros(S, np.int32)
             lb = np.full(S, IGNORE, np.int32)
             p[:len(pos)], lb[:len(pos)] = pos, sl
-            lp = np.asarray(self.fns[adapters_on](self.prefix.feed(ids, lab, scored), p, lb), np.float64)
+            lp, gap = (np.asarray(a, np.float64) for a in self.fns[adapters_on](self.prefix.feed(ids, lab, scored), p, lb))
             for i in range(len(chunk)):
                 mine = [k for k, o in enumerate(owner) if o == (i, -1)]
-                out.append((float(lp[mine].sum()), len(mine)))
-                ext.append([float(lp[k]) for k, o in enumerate(owner) if o[0] == i and o[1] >= 0])
-        return (out, ext) if extra else out
+                ext = [k for k, o in enumerate(owner) if o[0] == i and o[1] >= 0]
+                out.sums.append((float(lp[mine].sum()), len(mine)))
+                out.greedy.append(bool(np.all(gap[mine] == 0)))
+                out.extra.append([float(lp[k]) for k in ext])
+                out.extra_greedy.append([bool(gap[k] == 0) for k in ext])
+        return out
 
 
 def mean_loss(scored):
@@ -105,6 +125,46 @@ def per_category(rows, scored):
         acc[ex.category or "-"][0] -= s
         acc[ex.category or "-"][1] += n
     return {c: v[0] / max(v[1], 1) for c, v in sorted(acc.items())}
+
+
+def calibration(lp: np.ndarray, truth, bins: int = 10) -> dict | None:
+    """Expected calibration error of the label decision: rows binned by the winning label's
+    probability within the label set (10 equal bins over [0, 1]); ECE = sum over bins of
+    (rows in bin / rows) * |accuracy in bin - mean confidence in bin|."""
+    if not len(truth):
+        return None
+    P = label_probs(lp)
+    conf, ok = P.max(1), P.argmax(1) == np.asarray(truth)
+    which = np.minimum((conf * bins).astype(int), bins - 1)
+    out, ece = [], 0.0
+    for b in range(bins):
+        m = which == b
+        n = int(m.sum())
+        c, a = (float(conf[m].mean()), float(ok[m].mean())) if n else (None, None)
+        if n:
+            ece += n / len(conf) * abs(a - c)
+        out.append({"lo": b / bins, "hi": (b + 1) / bins, "n": n, "confidence": c, "accuracy": a})
+    return {"ece": float(ece), "bins": out, "n": int(len(conf))}
+
+
+def slices(rows, scored, idx, lp, truth) -> dict:
+    """Per category: held-out loss (every row) and label accuracy (labelled rows); the worst slice
+    is the lowest accuracy (ties: the higher loss), or the highest loss where no row is labelled."""
+    loss = per_category(rows, scored)
+    acc = defaultdict(lambda: [0, 0])
+    for j, i in enumerate(idx):
+        c = rows[i].category or "-"
+        acc[c][0] += int(np.argmax(lp[j]) == truth[j])
+        acc[c][1] += 1
+    out = {c: {"loss": v, "accuracy": acc[c][0] / acc[c][1] if acc[c][1] else None, "n": acc[c][1]}
+           for c, v in loss.items()}
+    ranked = sorted(out, key=lambda c: ((out[c]["accuracy"] if out[c]["accuracy"] is not None else 2.0), -out[c]["loss"]))
+    return {"categories": out, "worst": ranked[0] if ranked else None}
+
+
+def agreement(a, b) -> float | None:
+    """Share of rows on which two lists of decisions agree."""
+    return float(np.mean(np.asarray(a) == np.asarray(b))) if len(a) and len(a) == len(b) else None
 
 
 def checksum(params) -> str:
@@ -165,6 +225,22 @@ def gates(ev, first_loss, cfg):
     if ev.get("merge_max_diff") is not None:
         g.append(("merged == separate", ev["merge_max_diff"] <= cfg.gate_merge,
                   f"max diff {ev['merge_max_diff']:.2e} <= {cfg.gate_merge}"))
+    if ev.get("calibration"):
+        g.append(("calibration", ev["calibration"]["ece"] <= cfg.gate_calibration,
+                  f"ECE {ev['calibration']['ece']:.3f} <= {cfg.gate_calibration}"))
+    if ev.get("format_valid") is not None:
+        g.append(("format", ev["format_valid"] >= cfg.gate_format,
+                  f"{ev['format_valid']:.3f} of {ev['format_n']} greedy outputs are one label + end-of-turn "
+                  f">= {cfg.gate_format}"))
+    sl = ev.get("slices")
+    if sl and sl["worst"] is not None and sl["categories"][sl["worst"]]["accuracy"] is not None:
+        w = sl["categories"][sl["worst"]]
+        g.append(("worst slice", w["accuracy"] >= cfg.gate_slice,
+                  f"{sl['worst']}: accuracy {w['accuracy']:.3f} over {w['n']} rows >= {cfg.gate_slice}"))
+    fp = ev.get("stability_fp32")
+    if fp and fp["agreement"] is not None:
+        g.append(("stability (fp32 base)", fp["agreement"] >= cfg.gate_stability,
+                  f"{fp['agreement']:.3f} of {fp['rows']} decisions unchanged >= {cfg.gate_stability}"))
     return g
 
 
@@ -190,8 +266,31 @@ def table(ev) -> str:
                  f"({ev['heldout_correct']}/{ev['heldout_n']}; base {ev['heldout_acc_base']:.3f})")
     L.append(f"  preservation delta           {ev['preservation_delta']:+.4f} nats/token vs base "
              f"({ev['preservation_loss']:.4f} vs {ev['preservation_loss_base']:.4f})")
-    for c, v in ev["category_loss"].items():
-        L.append(f"  held-out loss [{c}]{' ' * max(1, 13 - len(c))}{v:.4f}")
+    cal = ev.get("calibration")
+    if cal:
+        L.append(f"  calibration (ECE, 10 bins)   {cal['ece']:.3f} over {cal['n']} rows; bins (n: accuracy/confidence) "
+                 + " ".join(f"{b['n']}:{b['accuracy']:.2f}/{b['confidence']:.2f}" for b in cal["bins"] if b["n"]))
+    if ev.get("format_valid") is not None:
+        L.append(f"  format (greedy = one label + end-of-turn) {ev['format_valid']:.3f} of {ev['format_n']} prompts")
+        for f in ev.get("format_failures", []):
+            L.append(f"    e.g. {f['row']}: expected {f['expected']!r}, generated {f['generated']!r}")
+    sl = ev.get("slices")
+    if sl:
+        for c, v in sl["categories"].items():
+            acc = "" if v["accuracy"] is None else f"  accuracy {v['accuracy']:.3f} ({v['n']} rows)"
+            L.append(f"  held-out [{c}]{' ' * max(1, 18 - len(c))}loss {v['loss']:.4f}{acc}"
+                     + ("  <- worst slice" if c == sl["worst"] else ""))
+    else:
+        for c, v in ev["category_loss"].items():
+            L.append(f"  held-out loss [{c}]{' ' * max(1, 13 - len(c))}{v:.4f}")
+    st = ev.get("stability_checkpoint")
+    if st and st["agreement"] is not None:
+        L.append(f"  stability: decisions agree with {'the base' if st['step'] == 'base' else 'step ' + str(st['step'])}"
+                 f" on {st['agreement']:.3f} of rows")
+    fp = ev.get("stability_fp32")
+    if fp and fp["agreement"] is not None:
+        L.append(f"  stability: packed base vs fp32-dequantized base, same adapter: {fp['agreement']:.3f} of "
+                 f"{fp['rows']} decisions agree")
     L.append(f"  adapter checksum             {ev['checksum']} ({'changed' if ev['checksum_changed'] else 'UNCHANGED'} since init)")
     if ev.get("merge_max_diff") is not None:
         L.append(f"  merged vs separate           max diff {ev['merge_max_diff']:.2e}, argmax agreement "

@@ -44,7 +44,7 @@ def dpo_stage(r):
                                   r.prefix)
     r.dpo_history = history
     if base_pres is not None and r.passages:
-        ev["preservation_delta"] = r._scores(True)["pres"] - base_pres
+        ev["preservation_delta"] = evidence.mean_loss(r.scorer.row_logprobs(r.passages, True)) - base_pres
     rep.say(f"DPO evidence ({time.perf_counter() - t0:.0f}s):")
     for split in ("train", "heldout"):
         e = ev.get(split)

@@ -16,8 +16,8 @@ from vkdsl.models.llama import Llama
 from vkdsl.ops.losses import check_labels
 
 from . import checkpoint, evidence
-from .data import (IGNORE, DataError, Sampler, check_batches, collate, encode_row, load_examples,
-                   load_passages, with_completion)
+from .data import IGNORE, DataError, Sampler, check_batches, collate, load_examples, load_passages
+from .heldout import Heldout
 from .inject import count_report, inject, params_of
 from .prefix import FrozenPrefix, first_adapted_layer
 from .progress import Reporter
@@ -83,8 +83,10 @@ class Run:
         self.stepper = Stepper(self.model, self.params, cfg, self.prefix, base_cache=cache)
         self.sampler = Sampler(self.train, cfg.batch_size * cfg.grad_accum, cfg.data_seed)
         self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix)
+        self.held = Heldout(cfg, self.model, self.ckpt, self.tok, self.pad, self.scorer, self.heldout, self.passages)
         self.init_sum = evidence.checksum([p.numpy() for p in self.params])
         self.step, self.first_loss, self.last_loss = 0, None, None
+        self.decisions_seen = []          # (step, held-out label decisions) of each evaluation, base first
         # over the steps this process ran; micro-batches, and those packed (train.packing)
         self.tokens = {"computed": 0, "real": 0, "supervised": 0, "micro": 0, "packed": 0}
 
@@ -140,16 +142,9 @@ class Run:
         return [(ids, lab, np.array([min(len(r.ids), ids.shape[1]) for r in rows]))], self.cfg.rehearsal_weight
 
     # ---- evidence ----
-    def encode_candidate(self, ex, label):
-        c = self.cfg
-        return encode_row(with_completion(ex.obj, label), self.tok, c.chat_template, c.max_len,
-                          c.truncation_side, ex.where)
-
     def base_evidence(self):
         t0 = time.perf_counter()
-        self.cand_idx, self.cands = evidence.label_candidates(self.heldout, self.cfg.labels, self.encode_candidate)
-        self.extra = self._single_token_labels(self.heldout, self.cand_idx, self.cands)
-        if self.extra is not None:
+        if self.held.extra is not None:
             self.r.say("labels are single tokens after the prompt: each held-out row is scored once, "
                        "comparing the label tokens' log-probs at the answer position")
         key, cache = self._base_key(), self.dir / BASE_EVAL
@@ -157,13 +152,15 @@ class Run:
         if self.base is not None:
             self.r.say(f"base evaluation reused from {cache.name} (same base, tokenizer, data and settings)")
         else:
-            self.base = self._scores(adapters_on=False)
+            self.base = self.held.scores(adapters_on=False)
             bad = [k for k in ("heldout_loss", "pres") if not math.isfinite(self.base[k])]
             if bad:
                 raise ValueError(f"{self.cfg.model or 'the default model'}: the base model's {' and '.join(bad)} is "
                                  f"not finite before any training: its weights hold NaN or Inf (a damaged file?)")
+            self.base.update(self.held.surfaces(self.base, adapters_on=False))
             checkpoint.atomic_write(cache, json.dumps({"key": key, "base": {
-                k: self.base[k] for k in ("heldout_loss", "acc", "k", "n", "pres")}}).encode())
+                k: self.base[k] for k in BASE_KEYS if k in self.base}}).encode())
+        self.decisions_seen = [("base", self.base.get("decisions", []))]
         self.r.say(f"base evaluation in {time.perf_counter() - t0:.1f}s: held-out loss {self.base['heldout_loss']:.4f}"
                    + (f", label accuracy {self.base['acc']:.3f}" if self.base['acc'] is not None else "")
                    + f", preservation loss {self.base['pres']:.4f}")
@@ -177,63 +174,10 @@ class Run:
                  "settings": [c.quant, c.labels, c.chat_template, c.max_len, c.truncation_side, c.bucket, c.eval_batch]}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
-    def _single_token_labels(self, rows, idx, cands):
-        """Per row [(answer position, label token) for each label] when every label is one token
-        at the same position after an identical prefix; else None (score candidates)."""
-        L = len(self.cfg.labels)
-        extra = [[] for _ in rows]
-        for j, i in enumerate(idx):
-            ex = rows[i]
-            p0 = next(t for t, x in enumerate(ex.labels) if x != IGNORE)
-            for c in cands[j * L:(j + 1) * L]:
-                q0 = next(t for t, x in enumerate(c.labels) if x != IGNORE)
-                sup = [x for x in c.labels if x != IGNORE]
-                if q0 != p0 or c.ids[:p0 + 1] != ex.ids[:p0 + 1] or len(sup) != 2 or sup[1] != self.tok.eos_id:
-                    return None
-                extra[i].append((p0, sup[0]))
-        return extra
-
-    def label_logprobs(self, rows, adapters_on=True):
-        """For the rows whose completion is one of cfg.labels: (their indices, (n, L) log-probs of
-        each label as the completion). The label probabilities within the label set are softmax of a
-        row (two-way for two labels): not the model's probability of emitting that token."""
-        idx, cands = evidence.label_candidates(rows, self.cfg.labels, self.encode_candidate)
-        if not idx:
-            return idx, np.zeros((0, len(self.cfg.labels)))
-        extra = self._single_token_labels(rows, idx, cands)
-        if extra is not None:
-            _, ext = self.scorer.row_logprobs(rows, adapters_on, extra)
-            return idx, np.array([ext[i] for i in idx], np.float64)
-        sc = self.scorer.row_logprobs(cands, adapters_on)
-        return idx, np.array([s for s, _ in sc], np.float64).reshape(len(idx), len(self.cfg.labels))
-
-    def _scores(self, adapters_on):
-        """Held-out loss (per row), label log-probs of the labelled rows, preservation loss."""
-        L = len(self.cfg.labels)
-        if self.extra is not None:
-            held, ext = self.scorer.row_logprobs(self.heldout, adapters_on, self.extra)
-            M = np.array([ext[i] for i in self.cand_idx], np.float64).reshape(len(self.cand_idx), L)
-        else:
-            lab_set = set(self.cand_idx)
-            rest = [ex for i, ex in enumerate(self.heldout) if i not in lab_set]
-            cand = self.scorer.row_logprobs(self.cands, adapters_on) if self.cands else []
-            other = self.scorer.row_logprobs(rest, adapters_on) if rest else []
-            M = np.array([s for s, _ in cand], np.float64).reshape(len(self.cand_idx), L)
-            held, it = [], iter(other)
-            pos = {i: j for j, i in enumerate(self.cand_idx)}
-            for i, ex in enumerate(self.heldout):       # the true label's candidate is the row itself
-                held.append(cand[pos[i] * L + self.cfg.labels.index(ex.completion.strip())] if i in pos else next(it))
-        truth = [self.cfg.labels.index(self.heldout[i].completion.strip()) for i in self.cand_idx]
-        n = len(truth)
-        k = int(sum(int(np.argmax(M[j])) == t for j, t in enumerate(truth)))
-        pres = self.scorer.row_logprobs(self.passages, adapters_on) if self.passages else []
-        return {"held": held, "heldout_loss": evidence.mean_loss(held) if held else float("nan"),
-                "acc": k / n if n else None, "k": k, "n": n, "label_lp": M, "truth": truth,
-                "pres": evidence.mean_loss(pres) if pres else 0.0}
-
-    def evaluate(self):
+    def evaluate(self, final=False):
+        """The evidence at this step; final: also the fp32-dequantized base's decisions (stability)."""
         t0 = time.perf_counter()
-        sc = self._scores(adapters_on=True)
+        sc = self.held.scores(adapters_on=True)
         ps = [p.numpy() for p in self.params]
         ev = {"step": self.step, "train_loss": self.last_loss, "heldout_loss": sc["heldout_loss"],
               "heldout_loss_base": self.base["heldout_loss"],
@@ -245,6 +189,15 @@ class Run:
               "preservation_delta": sc["pres"] - self.base["pres"],
               "category_loss": evidence.per_category(self.heldout, sc["held"]),
               "checksum": evidence.checksum(ps)}
+        ev.update(self.held.surfaces(sc, adapters_on=True))
+        if self.decisions_seen:                 # stability over training: the last evaluation's decisions
+            step, before = self.decisions_seen[-1]
+            ev["stability_checkpoint"] = {"step": step, "agreement": evidence.agreement(ev["decisions"], before)}
+        self.decisions_seen.append((self.step, ev["decisions"]))
+        if final and self.cfg.stability_rows:
+            fp = self.held.fp32_decisions(self.cfg.stability_rows)
+            if fp is not None:
+                ev["stability_fp32"] = {"rows": len(fp), "agreement": evidence.agreement(ev["decisions"][:len(fp)], fp)}
         ev["checksum_changed"] = ev["checksum"] != self.init_sum
         ev["spectrum"] = evidence.spectrum(self.model, self.names)
         ev.update(self._merge_check())
@@ -345,6 +298,8 @@ class Run:
 
 
 BASE_EVAL = "base_eval.json"
+BASE_KEYS = ("heldout_loss", "acc", "k", "n", "pres", "calibration", "slices", "decisions", "format_valid", "format_n",
+             "format_failures")
 
 
 def _cached_base(path: Path, key: str):
@@ -409,7 +364,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
                  **{f"{n}.lora_B": r.model.lora[n].B.numpy() for n in r.names})
         checkpoint.atomic_write(run_dir / "adapter.npz", buf.getvalue())
         if evidence_at_end:
-            r.final = r.evaluate()
+            r.final = r.evaluate(final=True)
             r.gates = evidence.gates(r.final, r.first_loss, cfg)
             rep.say("gates:")
             for name, ok, why in r.gates:

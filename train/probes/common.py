@@ -10,7 +10,7 @@ import numpy as np
 from ..config import TrainConfig
 from ..progress import Reporter
 from ..trainer import BASE_EVAL, Run, run
-from . import ProbeError
+from .base import ProbeError
 
 
 def config(ctx, tag: str, **over) -> TrainConfig:
@@ -40,7 +40,7 @@ def train_run(ctx, tag: str, at_step=None, reuse=None, **over) -> Run:
 
 
 def need_labels(r, probe: str):
-    if not r.cand_idx:
+    if not r.held.cand_idx:
         raise ProbeError(f"probe {probe} needs held-out rows whose completion is one of the labels "
                          f"({', '.join(r.cfg.labels)}); {r.cfg.heldout_file} has none")
 

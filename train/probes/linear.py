@@ -18,8 +18,8 @@ from vkdsl.autograd import grad
 from vkdsl.ops.lora import LoRA, lora_linear
 from vkdsl.ops.optim import AdamW
 
-from . import Expectation, Result, probe
 from ..charts import line_chart
+from .base import Expectation, Result, probe
 
 
 def schedule(steps, lr0, lr1, hold=0.4):

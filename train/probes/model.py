@@ -21,7 +21,7 @@ from ..data import load_passages
 from ..evidence import Scorer, mean_loss
 from ..schedule import lr_at
 from ..step import Stepper
-from . import Expectation, Result, probe
+from .base import Expectation, Result, probe
 from .common import config, open_run, spectrum_stats, train_run
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from vkdsl.fileio import atomic_write
 
-from . import fmt
+from .base import fmt
 
 CSS = ("body{font:14px/1.45 system-ui,sans-serif;max-width:980px;margin:24px auto;padding:0 16px;color:#222}"
        "table{border-collapse:collapse;margin:8px 0 16px}td,th{border:1px solid #ccc;padding:3px 8px;"

@@ -14,7 +14,7 @@ from vkdsl.models.default import default_model_path
 from ..config import DATA
 from ..evidence import Scorer, mean_loss
 from ..stages import dpo_stage
-from . import Expectation, ProbeError, Result, probe
+from .base import Expectation, ProbeError, Result, probe
 from .common import need_labels, need_template, train_run
 
 
@@ -23,7 +23,7 @@ def _tokenizer(ctx):
 
 
 def _train_accuracy(r):
-    idx, lp = r.label_logprobs(r.train, True)
+    idx, lp = r.held.label_logprobs(r.train, True)
     truth = [r.cfg.labels.index(r.train[i].completion.strip()) for i in idx]
     return (float(np.mean(lp.argmax(1) == np.array(truth))) if idx else None), len(idx)
 
@@ -126,7 +126,7 @@ def rehearsal(ctx) -> Result:
 
         def at(r, w=w, marks=marks):
             if r.step in cps:
-                sc = r._scores(True)
+                sc = r.held.scores(True)
                 marks.append({"weight": w, "step": r.step,
                               "task loss": mean_loss(r.scorer.row_logprobs(r.train, True)),
                               "held-out accuracy": sc["acc"], "preservation change": sc["pres"] - r.base["pres"],
