@@ -116,11 +116,15 @@ train = click.Command(
 
 @click.command()
 @click.argument("run_dir", type=click.Path(file_okay=False))
-def report(run_dir):
-    """Rebuild RUN_DIR/report.html (self-contained: inline SVG, no network, no script)."""
-    from vkdsl.train.report import build_report
+@click.argument("other", type=click.Path(file_okay=False), required=False)
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="with two runs: the comparison page's path [default: RUN_DIR/compare-OTHER.html]")
+def report(run_dir, other, out):
+    """Rebuild RUN_DIR/report.html (self-contained: inline SVG, no network, no script); with a second
+    run folder, write a page comparing the two side by side."""
+    from vkdsl.train.report import build_report, compare_report
     try:
-        click.echo(f"wrote {build_report(run_dir)}")
+        click.echo(f"wrote {compare_report(run_dir, other, out) if other else build_report(run_dir)}")
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e))
 

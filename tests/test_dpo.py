@@ -47,7 +47,7 @@ def test_dpo_starts_at_ln2_and_grows_the_margin(setup, tmp_path):
     assert same == 1 and len(pairs) == 8
     model, params = fresh_model(ck)
     said = []
-    hist, ev = dpo.train_dpo(model, params, tok, CFG, pairs, pairs[:4], tmp_path, said.append,
+    hist, ev = dpo.train_dpo(model, params, tok, {**CFG, "train_evidence": True}, pairs, pairs[:4], tmp_path, said.append,
                              lambda *a, **k: None, "base", HASHES)
     assert abs(hist[0]["dpo_loss"] - math.log(2)) < 1e-5        # policy == reference (B = 0)
     assert any("ln 2" in s for s in said)

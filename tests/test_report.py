@@ -1,4 +1,7 @@
-"""report.html from a run folder: self-contained, every curve and gate present, valid SVG."""
+"""report.html from a real run folder (a tiny SFT + DPO run of the trainer): every panel, the
+surfaces table's numbers equal to the run's own summary.json, self-contained well-formed SVG,
+the two-run comparison, a damaged metrics line named, and a real headless browser rendering it."""
+import html
 import json
 import re
 import shutil
@@ -7,58 +10,84 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from vkdsl.train.report import build_report
+from fixtures.train_data import tiny_setup, write_jsonl
+from vkdsl.cli import main
+from vkdsl.cli.train import main as train_main
+from vkdsl.train.report import PANELS, build_report, compare_report
 
 
-def make_run(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    rows = [{"step": s, "train_loss": 2.0 / (s + 1), "heldout": {"loss": 2.5 - 0.1 * s, "accuracy": 0.2 + 0.05 * s},
-             "preservation_delta_nats": 0.001 * s, "category_loss": {"billing": 1.0 - 0.05 * s, "outage": 1.2}}
-            for s in range(0, 10, 2)]
-    rows.append({"step": 8, "spectrum": {"blk.0.attn_q": [0.5, 0.2, 0.01]}})
-    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (run / "gates.json").write_text(json.dumps([
-        {"name": "heldout_accuracy >= 0.6", "value": 0.6, "threshold": 0.6, "passed": True},
-        {"name": "preservation_delta <= 0.05", "value": 0.08, "threshold": 0.05, "passed": False}]))
-    (run / "config.json").write_text(json.dumps({"lr": 1e-3, "rank": 8}))
-    return run
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("report")
+    tm, tr, he, pr = tiny_setup(d)
+    prefs = write_jsonl(d / "prefs.jsonl", [{"prompt": f"the dog {i} is", "chosen": " the fox",
+                                             "rejected": " a capital"} for i in range(8)])
+    common = ["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
+              "--labels", "low,medium,high", "--max-len", "64", "--rank", "4", "--alpha", "8", "--lr", "1e-2",
+              "--warmup", "1", "--steps", "4", "--batch-size", "4", "--eval-batch", "4", "--tmkl", "0",
+              "--dpo-train-file", prefs, "--dpo-heldout-file", prefs, "--dpo-steps", "2", "--no-verify", "--quiet"]
+    out = []
+    for name, extra in (("a", []), ("b", ["--lr", "5e-3"])):
+        assert train_main(common + extra + ["--out", str(d / name)]) in (0, 2)     # 2: a gate failed
+        out.append(d / name)
+    return out
 
 
-def test_report_is_self_contained_and_complete(tmp_path):
-    out = build_report(make_run(tmp_path))
-    page = out.read_text()
+def test_panels_and_numbers_come_from_the_run(runs):
+    page = build_report(runs[0]).read_text()
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    for title, _, _ in PANELS:
+        assert f"<h2>{title}</h2>" in page.replace("&#x27;", "'")
+    for col in ("base", "after SFT", "after DPO"):
+        assert f"<th>{col}</th>" in page
+    f = summary["final"]
+    lo, hi = f["heldout_acc_ci"]
+    assert f"{f['heldout_acc']:.3f} [{lo:.3f}, {hi:.3f}]" in page
+    assert f"{f['calibration']['ece']:.3f}" in page and f"{f['format_valid']:.3f}" in page
+    after = summary["dpo"]["after"]
+    assert f"{after['calibration']['ece']:.3f}" in page
+    for g in summary["gates"]:
+        assert html.escape(g["name"]) in page
     assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
-    for text in ("train_loss", "heldout.loss", "category_loss.billing", "PASS", "FAIL", "blk.0.attn_q", "rank"):
-        assert text in page
     svgs = re.findall(r"<svg.*?</svg>", page, re.S)
-    assert len(svgs) >= 4
+    assert len(svgs) >= 6                                  # fit, lr, reliability x3, slices, DPO, spectrum
     for s in svgs:
-        ET.fromstring(s)                     # well-formed SVG
-    # the polyline of train_loss has one point per record
-    assert any(len(p.split()) == 5 for p in re.findall(r'points="([^"]+)"', page))
+        ET.fromstring(s)
+    # the SFT loss curve has one point per step record
+    steps = sum(1 for line in (runs[0] / "metrics.jsonl").read_text().splitlines() if '"event": "step"' in line)
+    assert any(len(p.split()) == steps for p in re.findall(r'points="([^"]+)"', page))
 
 
-def test_bad_metrics_line_names_file_and_line(tmp_path):
-    run = make_run(tmp_path)
+def test_compare_two_runs(runs, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(runs[0]), str(runs[1]), "--out", str(tmp_path / "cmp.html")])
+    assert e.value.code == 0
+    page = (tmp_path / "cmp.html").read_text()
+    assert "Settings that differ" in page and "<td>lr</td>" in page and "0.005" in page
+    assert page.count("<th>a: base</th>") == 1 and "<th>b: after DPO</th>" in page
+    assert compare_report(runs[0], runs[1]).name == "compare-b.html"
+
+
+def test_bad_metrics_line_names_file_and_line(runs, tmp_path):
+    run = shutil.copytree(runs[0], tmp_path / "copy")
+    n = len((run / "metrics.jsonl").read_text().splitlines())
     with open(run / "metrics.jsonl", "a") as f:
         f.write("{oops\n")
-    with pytest.raises(ValueError, match=r"metrics.jsonl:7"):
+    with pytest.raises(ValueError, match=rf"metrics.jsonl:{n + 1}"):
         build_report(run)
 
 
-def test_report_renders_in_headless_chromium(tmp_path):
+def test_report_renders_in_headless_chromium(runs, tmp_path):
     """A real browser (Debian's chromium, installed by ./setup.sh --test) renders the page."""
-    out = build_report(make_run(tmp_path))
+    out = build_report(runs[0])
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     assert exe, "headless Chromium is part of the test set-up: ./setup.sh --test"
     png = tmp_path / "shot.png"
-    subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                    "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'prof'}",
-                    f"--screenshot={png}", "--window-size=1000,1600", out.as_uri()],
-                   capture_output=True, timeout=120, check=True)
-    assert png.stat().st_size > 10_000       # a rendered page with plots, not a blank image
-    dom = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                          "--no-first-run", f"--user-data-dir={tmp_path / 'prof2'}", "--dump-dom", out.as_uri()],
+    flags = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--no-first-run"]
+    subprocess.run(flags + [f"--user-data-dir={tmp_path / 'prof'}", f"--screenshot={png}", "--window-size=1100,3000",
+                            out.as_uri()], capture_output=True, timeout=120, check=True)
+    assert png.stat().st_size > 30_000       # a rendered page with charts and tables, not a blank image
+    dom = subprocess.run(flags + [f"--user-data-dir={tmp_path / 'prof2'}", "--dump-dom", out.as_uri()],
                          capture_output=True, text=True, timeout=120, check=True).stdout
-    assert dom.count("<svg") >= 4 and "FAIL" in dom
+    assert dom.count("<svg") >= 6 and "Did it transfer?" in dom and "Provenance" in dom

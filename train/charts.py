@@ -6,16 +6,25 @@ import html
 import math
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
-L, R, T, B = 64, 150, 14, 34          # margins: axis labels left and below, legend right
+L, R, T, B = 64, 150, 18, 34          # margins: axis labels left and below, legend right
 
 
 def _ticks(lo, hi, n=4):
-    return [lo + (hi - lo) * i / n for i in range(n + 1)]
+    """Round tick values (1, 2 or 5 times a power of ten apart) inside [lo, hi]."""
+    span = hi - lo
+    raw = span / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    out = [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+    return out or [lo, hi]
 
 
 def _num(v, log=False):
     v = 10 ** v if log else v
-    return f"{v:.2g}" if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e4) else f"{v:.3g}"
+    if abs(v) < 1e-12:
+        return "0"
+    return f"{v:.2g}" if abs(v) < 1e-2 or abs(v) >= 1e4 else f"{v:.3g}"
 
 
 def line_chart(series: dict, xlabel: str, ylabel: str, log: bool = False, w=600, h=240, xs=None) -> str:
@@ -82,4 +91,32 @@ def bar_chart(values: dict, ylabel: str, w=600, h=220) -> str:
     out.append(f'<line x1="{L}" x2="{w - 20}" y1="{sy(0):.1f}" y2="{sy(0):.1f}" stroke="#333"/>')
     out.append(f'<text x="12" y="{(T + h - B) / 2}" transform="rotate(-90 12 {(T + h - B) / 2})" '
                f'text-anchor="middle">{html.escape(ylabel)}</text></svg>')
+    return "".join(out)
+
+
+def reliability_chart(bins: list[dict], title: str, w=300, h=240) -> str:
+    """Calibration bins (lo, hi, n, accuracy, confidence): one bar per non-empty bin at its range,
+    height = accuracy, a tick at the mean confidence, n above; the diagonal is perfect calibration."""
+    s = min(w - L - 16, h - T - B)
+    sx = lambda v: L + v * s                    # noqa: E731
+    sy = lambda v: T + s - v * s                # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" font-size="11">',
+           f'<text x="{L}" y="{T - 2}">{html.escape(title)}</text>',
+           f'<rect x="{L}" y="{T}" width="{s}" height="{s}" fill="none" stroke="#999"/>',
+           f'<line x1="{sx(0)}" y1="{sy(0)}" x2="{sx(1)}" y2="{sy(1)}" stroke="#bbb" stroke-dasharray="4 3"/>']
+    for b in bins:
+        if not b["n"]:
+            continue
+        x0, x1 = sx(b["lo"]) + 1, sx(b["hi"]) - 1
+        out.append(f'<rect x="{x0:.1f}" y="{sy(b["accuracy"]):.1f}" width="{x1 - x0:.1f}" '
+                   f'height="{sy(0) - sy(b["accuracy"]):.1f}" fill="{COLORS[0]}" opacity="0.75"/>')
+        out.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{sy(b["confidence"]):.1f}" y2="{sy(b["confidence"]):.1f}" '
+                   f'stroke="{COLORS[1]}" stroke-width="2"/>')
+        out.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{sy(b["accuracy"]) - 3:.1f}" text-anchor="middle">{b["n"]}</text>')
+    for t in (0, 0.5, 1):
+        out.append(f'<text x="{L - 4}" y="{sy(t) + 4:.1f}" text-anchor="end">{t:g}</text>')
+        out.append(f'<text x="{sx(t):.1f}" y="{T + s + 14}" text-anchor="middle">{t:g}</text>')
+    out.append(f'<text x="{L + s / 2}" y="{T + s + 28}" text-anchor="middle">confidence (red: bin mean)</text>')
+    out.append(f'<text x="12" y="{T + s / 2}" transform="rotate(-90 12 {T + s / 2})" text-anchor="middle">'
+               f'accuracy</text></svg>')
     return "".join(out)

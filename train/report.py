@@ -1,22 +1,26 @@
-"""report.html for a run folder: self-contained (inline SVG and CSS, no script, no network).
+"""report.html for a run folder, one panel per question a reader asks: did training fit, did it
+transfer (every failure surface, base -> after SFT -> after DPO, with intervals), what did it cost,
+what DPO did, what the update looks like, the gates, and where it came from. Self-contained:
+inline SVG and CSS, no script, no network. `compare_report` puts two runs side by side.
 
-Reads what the trainer writes: metrics.jsonl (one JSON object per line, each with "step"),
-and where present gates.json, summary.json, config.json and the adapter manifest. Plots every
-numeric series it finds; tables for gates, per-category losses, spectra and the manifest."""
+Reads what the trainer writes: metrics.jsonl (step, eval, dpo_step records), summary.json (the
+final evidence, DPO evidence, gates), base_eval.json, config.json and the adapter manifest."""
 from __future__ import annotations
 
 import html
 import json
-import math
 from pathlib import Path
 
 from vkdsl.fileio import atomic_write
 
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
-SKIP = {"time", "tokens", "seq_tokens", "computed", "micro", "packed", "tokens_per_s", "lr", "grad_norm", "pairs", "heldout_correct", "heldout_n",
-        "merge_argmax", "merge_max_diff", "checksum_changed", "eval_seconds"}   # counts and bookkeeping: not curves
-GROUPS = [("Loss", ("loss",)), ("Preservation and held-out", ("preserv", "heldout", "held_out", "acc")),
-          ("DPO drift and margins", ("drift", "margin", "pair"))]
+from .charts import bar_chart, line_chart, reliability_chart
+
+CSS = ("body{font:14px/1.45 system-ui,sans-serif;max-width:1000px;margin:24px auto;padding:0 16px;color:#222}"
+       "h2{margin-top:28px;border-bottom:1px solid #ddd}table{border-collapse:collapse;margin:8px 0 14px}"
+       "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right;vertical-align:top}th{background:#f3f3f3}"
+       "td:first-child,th:first-child{text-align:left}.pass{color:#1a7f37;font-weight:600}"
+       ".fail{color:#c62828;font-weight:600}.q{color:#555;margin:2px 0 8px}.row{display:flex;gap:12px;"
+       "flex-wrap:wrap}code{background:#f5f5f5;padding:1px 4px;word-break:break-all}")
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -32,147 +36,233 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _read_json(path: Path):
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            out[key] = float(v)
-    return out
+def _e(x) -> str:
+    return html.escape(str(x))
 
 
-def series(rows: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """name -> [(step, value)] for every numeric field (nested dicts flattened with dots)."""
-    out: dict[str, list] = {}
-    for r in rows:
-        if "step" not in r:
-            continue
-        for k, v in _flatten(r).items():
-            last = k.rsplit(".", 1)[-1]
-            if k != "step" and not k.startswith(("spectrum", "singular")) and last not in SKIP \
-                    and not last.endswith(("_n", "_seconds", "_ci")):
-                out.setdefault(k, []).append((float(r["step"]), v))
-    return {k: v for k, v in out.items() if len(v) >= 1}
+def _num(v, nd=3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}" if abs(v) >= 10 ** -nd or v == 0 else f"{v:.2e}"
+    return str(v)
 
 
-def svg_plot(named: dict[str, list[tuple[float, float]]], title: str, w=640, h=260) -> str:
-    pts = [p for s in named.values() for p in s]
-    if not pts:
-        return ""
-    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
-    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
-    if x1 == x0:
-        x1 = x0 + 1
-    if y1 == y0:
-        y0, y1 = y0 - 1, y1 + 1
-    L, R, T, B = 60, 170, 24, 30
-
-    def sx(x):
-        return L + (x - x0) / (x1 - x0) * (w - L - R)
-
-    def sy(y):
-        return h - B - (y - y0) / (y1 - y0) * (h - T - B)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img">',
-             f'<text x="{L}" y="16" font-size="13" font-weight="bold">{html.escape(title)}</text>',
-             f'<line x1="{L}" y1="{h - B}" x2="{w - R}" y2="{h - B}" stroke="#888"/>',
-             f'<line x1="{L}" y1="{T}" x2="{L}" y2="{h - B}" stroke="#888"/>']
-    for y in (y0, (y0 + y1) / 2, y1):
-        parts.append(f'<text x="{L - 4}" y="{sy(y) + 4:.1f}" font-size="10" text-anchor="end">{y:.4g}</text>')
-    for x in (x0, x1):
-        parts.append(f'<text x="{sx(x):.1f}" y="{h - B + 14}" font-size="10" text-anchor="middle">{x:g}</text>')
-    parts.append(f'<text x="{(L + w - R) / 2:.0f}" y="{h - 2}" font-size="10" text-anchor="middle">step</text>')
-    for i, (name, s) in enumerate(sorted(named.items())):
-        c = COLORS[i % len(COLORS)]
-        s = sorted(s)
-        if len(s) == 1:
-            parts.append(f'<circle cx="{sx(s[0][0]):.1f}" cy="{sy(s[0][1]):.1f}" r="3" fill="{c}"/>')
-        else:
-            d = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)
-            parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.6" points="{d}"/>')
-        parts.append(f'<rect x="{w - R + 10}" y="{T + 14 * i}" width="10" height="10" fill="{c}"/>'
-                     f'<text x="{w - R + 24}" y="{T + 14 * i + 9}" font-size="10">{html.escape(name[:26])}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _table(rows: list[list], head: list[str]) -> str:
-    th = "".join(f"<th>{html.escape(str(h))}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in r) + "</tr>" for r in rows)
+def _table(head, rows, raw=False) -> str:
+    th = "".join(f"<th>{_e(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{c if raw else _e(c)}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table><tr>{th}</tr>{body}</table>"
 
 
-def _fmt(v):
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+class RunData:
+    """Everything the panels read from one run folder."""
+
+    def __init__(self, run_dir):
+        self.dir = Path(run_dir)
+        if not self.dir.is_dir():
+            raise FileNotFoundError(f"{self.dir}: no such run folder")
+        self.rows = _read_jsonl(self.dir / "metrics.jsonl")
+        self.summary = _read_json(self.dir / "summary.json") or {}
+        self.config = _read_json(self.dir / "config.json") or {}
+        self.base = (_read_json(self.dir / "base_eval.json") or {}).get("base", {})
+        self.manifest = _read_json(self.dir / "adapter" / "vkdsl_manifest.json") or {}
+        gates = _read_json(self.dir / "gates.json")
+        self.gates = [{"gate": g.get("gate", g.get("name")), "pass": g.get("pass", g.get("passed")),
+                       "detail": g.get("detail", "")} for g in (gates or self.summary.get("gates") or [])]
+        evals = [r for r in self.rows if r.get("event") == "eval"]
+        self.final = self.summary.get("final") or (evals[-1] if evals else {})
+        self.dpo = self.summary.get("dpo") or {}
+
+    def steps(self, event, key):
+        return [(r["step"], r[key]) for r in self.rows if r.get("event") == event and r.get(key) is not None]
 
 
-def _gates_table(gates) -> str:
-    if not gates:
+def _surface_rows(stages: list[tuple[str, dict]]) -> list[list]:
+    """One row per surface, one column per stage (dicts in the final-evidence layout)."""
+    def acc(e):
+        if e.get("heldout_acc") is None:
+            return "–"
+        ci = e.get("heldout_acc_ci")
+        return f"{e['heldout_acc']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+
+    def worst(e):
+        s = e.get("slices") or {}
+        w = s.get("worst")
+        if not w:
+            return "–"
+        a = s["categories"][w]["accuracy"]
+        return f"{w}: {_num(a)}"
+
+    def stab(e):
+        f = e.get("stability_fp32") or {}
+        return _num(f.get("agreement")) + (f" of {f['rows']}" if f.get("rows") else "")
+    lines = [("task: held-out label accuracy, Wilson 95%", acc),
+             ("held-out loss (nats/token)", lambda e: _num(e.get("heldout_loss"))),
+             ("target probability within the labels", lambda e: _num(e.get("heldout_target_prob"))),
+             ("calibration: ECE (10 bins)", lambda e: _num((e.get("calibration") or {}).get("ece"))),
+             ("format: greedy output = one label + end-of-turn", lambda e: _num(e.get("format_valid"))),
+             ("slices: worst category accuracy", worst),
+             ("preservation change vs base (nats/token)", lambda e: _num(e.get("preservation_delta"), 4)),
+             ("stability: decisions unchanged on the fp32 base", stab)]
+    return [[name] + [fn(e) for _, e in stages] for name, fn in lines]
+
+
+def _stages(d: RunData) -> list[tuple[str, dict]]:
+    b = dict(d.base)
+    b.update({"heldout_acc": b.get("acc"), "preservation_delta": 0.0 if b else None})
+    if b.get("k") is not None and b.get("n"):
+        from .evidence import wilson
+        b["heldout_acc_ci"] = wilson(b["k"], b["n"])
+    out = [("base", b)]
+    if d.final and d.summary.get("sft_steps"):
+        out.append(("after SFT", d.final))
+    after = d.dpo.get("after")
+    if after:
+        out.append(("after DPO", {**after, "preservation_delta": d.dpo.get("preservation_delta")}))
+    return out
+
+
+def _fit(d: RunData) -> str:
+    loss, held, lr = d.steps("step", "loss"), d.steps("eval", "heldout_loss"), d.steps("step", "lr")
+    if not loss:
+        return "<p>No SFT steps were run.</p>"
+    series = {"train loss (batch)": loss}
+    if held:
+        series["held-out loss"] = held
+    return ("<div class='row'>" + line_chart(series, "SFT step", "nats/token", w=620) +
+            line_chart({"learning rate": lr}, "SFT step", "lr", w=340) + "</div>")
+
+
+def _transfer(d: RunData) -> str:
+    st = _stages(d)
+    parts = [_table(["surface"] + [n for n, _ in st], _surface_rows(st))]
+    rel = [reliability_chart(e["calibration"]["bins"], n) for n, e in st if e.get("calibration")]
+    if rel:
+        parts.append("<p class='q'>Reliability: accuracy per bin of the winning label's probability (bar), the "
+                     "diagonal is perfect calibration; n = rows in the bin.</p><div class='row'>" + "".join(rel) + "</div>")
+    fails = [(n, f) for n, e in st for f in e.get("format_failures", [])]
+    if fails:
+        parts.append("<p class='q'>Format failures, verbatim (greedy, up to three per stage):</p>" + _table(
+            ["stage", "row", "expected", "generated"], [[n, f["row"].rsplit("/", 1)[-1], f["expected"],
+                                                         repr(f["generated"])] for n, f in fails]))
+    return "".join(parts)
+
+
+def _cost(d: RunData) -> str:
+    st = _stages(d)
+    cats = {}
+    for name, e in st:
+        for c, v in ((e.get("slices") or {}).get("categories") or {}).items():
+            cats.setdefault(c, {})[name] = v
+    if not cats:
+        return "<p>No per-category evidence.</p>"
+    names = [n for n, _ in st]
+    rows = [[c] + [f"{_num(v[n]['loss'])} / {_num(v[n]['accuracy'])}" if n in v else "–" for n in names]
+            for c, v in sorted(cats.items())]
+    last = names[-1]
+    change = {c: v[last]["accuracy"] - v["base"]["accuracy"] for c, v in cats.items()
+              if last in v and "base" in v and v[last]["accuracy"] is not None and v["base"]["accuracy"] is not None}
+    chart = bar_chart(change, f"accuracy change, base -> {last}") if change and last != "base" else ""
+    return _table(["category: loss / accuracy"] + names, rows) + chart
+
+
+def _dpo(d: RunData) -> str:
+    if not d.dpo:
+        return "<p>No DPO stage in this run.</p>"
+    from .dpo import margin_story
+    split = d.dpo.get("heldout") or d.dpo.get("train") or {}
+    losses = [(i + 1, v) for i, (_, v) in enumerate(d.steps("dpo_step", "dpo_loss"))]
+    chart = line_chart({"DPO loss": losses}, "DPO step", "loss", w=520) if len(losses) >= 2 else ""
+    rows = [[k, _num(split.get(k))] for k in ("pair_accuracy", "improvement_accuracy", "margin_improvement",
+                                              "chosen_drift", "rejected_drift", "pairs")]
+    story = f"<p>{_e(margin_story(split))}</p>" if split else ""
+    return chart + _table(["held-out pairs" if d.dpo.get("heldout") else "training pairs", "value"], rows) + story
+
+
+def _update(d: RunData) -> str:
+    spec = d.final.get("spectrum") or {}
+    if not spec:
+        return "<p>No spectrum recorded.</p>"
+    rows = [[m, ", ".join(f"{x:.3g}" for x in s["sv"]), _num(s["stable_rank"], 2), _num(s["fro"])]
+            for m, s in spec.items()]
+    first = dict(list(spec.items())[:6])
+    chart = line_chart({m: [x / s["sv"][0] for x in s["sv"]] for m, s in first.items() if s["sv"] and s["sv"][0] > 0},
+                       "singular value index", "sigma_i / sigma_1 (log)", log=True, w=620)
+    return chart + _table(["module", "top singular values of s·A·B", "stable rank", "||s·A·B||_F"], rows)
+
+
+def _gates(d: RunData) -> str:
+    if not d.gates:
         return "<p>No gates recorded.</p>"
-    items = gates if isinstance(gates, list) else [dict(name=k, **v) if isinstance(v, dict) else
-                                                    {"name": k, "passed": v} for k, v in gates.items()]
-    rows = []
-    for g in items:
-        ok = g.get("passed", g.get("pass"))
-        rows.append([g.get("name", g.get("gate", "?")), g.get("detail", g.get("value", "")), "PASS" if ok else "FAIL"])
-    return _table(rows, ["gate", "detail", "result"]).replace(
-        "<td>PASS</td>", '<td class="pass">PASS</td>').replace("<td>FAIL</td>", '<td class="fail">FAIL</td>')
+    return _table(["gate", "result", "detail"], [[_e(g["gate"]), f"<span class='{'pass' if g['pass'] else 'fail'}'>"
+                                                  f"{'PASS' if g['pass'] else 'FAIL'}</span>", _e(g["detail"])]
+                                                 for g in d.gates], raw=True)
 
 
-def _spectra(rows: list[dict]) -> str:
-    last = next((r for r in reversed(rows) if any("spectrum" in k or "singular" in k for k in r)), None)
-    if not last:
-        return "<p>No spectra recorded.</p>"
-    spec = next(v for k, v in last.items() if "spectrum" in k or "singular" in k)
-    if not isinstance(spec, dict):
-        return "<p>No spectra recorded.</p>"
-    def values(v):
-        if isinstance(v, dict):
-            v = v.get("sv", v.get("singular_values", []))
-        return [float(x) for x in v] if isinstance(v, list) else []
-    named = {m: [(i + 1.0, x) for i, x in enumerate(values(v))] for m, v in list(spec.items())[:8]}
-    named = {m: pts for m, pts in named.items() if pts}
-    if not named:
-        return "<p>No spectra recorded.</p>"
-    return svg_plot(named, "singular values of s·A·B (index on the x axis)").replace(">step<", ">index<")
+def _provenance(d: RunData) -> str:
+    m, c = d.manifest, d.config
+    rows = [["model", c.get("model") or "the default SmolLM2-135M-Instruct"],
+            ["base sha256", (m.get("base") or {}).get("sha256", "–") if isinstance(m.get("base"), dict) else m.get("base", "–")],
+            ["tokenizer sha256", m.get("tokenizer_sha256", "–")], ["device", m.get("device", "–")],
+            ["vkdsl", m.get("vkdsl_version", m.get("vkdsl", "–"))], ["objective", c.get("objective", "–")]]
+    for k, v in (m.get("data") or {}).items():
+        rows.append([k, f"{Path(str(v.get('file', ''))).name} (sha256 {str(v.get('sha256', ''))[:16]}...)"])
+    rows += [[f"setting: {k}", json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in c.items()
+             if not str(k).endswith("_file") and k != "model"]
+    return _table(["what", "value"], rows)
+
+
+PANELS = [("Did training fit?", "Training loss per step and held-out loss per evaluation (same units), the "
+           "learning rate beside them.", _fit),
+          ("Did it transfer?", "Every failure surface before training, after SFT and after DPO.", _transfer),
+          ("What did it cost?", "Per category: held-out loss and label accuracy at each stage.", _cost),
+          ("DPO", "The preference stage: its loss, and how the margin moved (chosen and rejected separately).", _dpo),
+          ("The update", "Spectrum of each module's learned s·A·B (at most r nonzero values).", _update),
+          ("Gates", "Each surface's gate, separately; no weighted sum.", _gates),
+          ("Provenance", "Where this run came from.", _provenance)]
+
+
+def _page(title, body) -> bytes:
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{CSS}</style>"
+            f"</head><body>{body}</body></html>").encode("utf-8")
 
 
 def build_report(run_dir) -> Path:
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"{run}: no such run folder")
-    rows = _read_jsonl(run / "metrics.jsonl")
-    summary = _read_json(run / "summary.json") or {}
-    gates = _read_json(run / "gates.json") or summary.get("gates")
-    manifest = _read_json(run / "adapter" / "vkdsl_manifest.json") or _read_json(run / "vkdsl_manifest.json")
-    config = _read_json(run / "config.json")
-    ser = series(rows)
-    plots = []
-    used = set()
-    for title, keys in GROUPS:
-        named = {k: v for k, v in ser.items() if any(s in k.lower() for s in keys) and "categor" not in k
-                 and k not in used}
-        used |= set(named)
-        if named:
-            plots.append(svg_plot(named, title))
-    cats = {k: v for k, v in ser.items() if "categor" in k}
-    if cats:
-        plots.append(svg_plot(cats, "Per-category loss"))
-    sections = [f"<h1>vkdsl run {html.escape(run.name)}</h1>",
-                f"<p>{len(rows)} metric records.</p>", "<h2>Curves</h2>", "".join(plots) or "<p>No metrics.</p>",
-                "<h2>Gates</h2>", _gates_table(gates), "<h2>Spectrum of the learned update</h2>", _spectra(rows)]
-    for title, obj in (("Summary", summary), ("Manifest", manifest), ("Configuration", config)):
-        if obj:
-            flat = [[k, json.dumps(v) if isinstance(v, (dict, list)) else v] for k, v in obj.items()]
-            sections += [f"<h2>{title}</h2>", _table(flat, ["key", "value"])]
-    css = ("body{font-family:sans-serif;max-width:900px;margin:2em auto;color:#222}"
-           "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
-           "font-size:13px;text-align:left;vertical-align:top;max-width:600px;word-break:break-all}"
-           ".pass{background:#d4f4d4}.fail{background:#f8d0d0;font-weight:bold}svg{display:block;margin:1em 0}")
-    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>vkdsl run {html.escape(run.name)}</title>"
-            f"<style>{css}</style></head><body>{''.join(sections)}</body></html>")
-    return atomic_write(run / "report.html", page.encode("utf-8"))
+    d = RunData(run_dir)
+    ok = all(g["pass"] for g in d.gates) if d.gates else None
+    head = (f"<h1>vkdsl run {_e(d.dir.name)}</h1><p>{_e(d.config.get('objective', ''))} on "
+            f"{_e(d.config.get('model') or 'SmolLM2-135M-Instruct')}: "
+            + ("" if ok is None else f"<span class='{'pass' if ok else 'fail'}'>{sum(g['pass'] for g in d.gates)} of "
+               f"{len(d.gates)} gates pass</span>") + "</p>")
+    body = head + "".join(f"<h2>{_e(t)}</h2><p class='q'>{_e(q)}</p>{fn(d)}" for t, q, fn in PANELS)
+    return atomic_write(d.dir / "report.html", _page(f"vkdsl run {d.dir.name}", body))
+
+
+def compare_report(run_a, run_b, out=None) -> Path:
+    """Two runs side by side: every surface at each run's last stage and its base, the gates, and
+    the settings that differ."""
+    a, b = RunData(run_a), RunData(run_b)
+    sa, sb = _stages(a), _stages(b)
+    cols = [(f"{a.dir.name}: {n}", e) for n, e in (sa[0], sa[-1])] + [(f"{b.dir.name}: {n}", e) for n, e in (sb[0], sb[-1])]
+    names = sorted({g["gate"] for g in a.gates + b.gates}, key=lambda g: [x["gate"] for x in a.gates + b.gates].index(g))
+
+    def res(d, g):
+        hit = next((x for x in d.gates if x["gate"] == g), None)
+        return "–" if hit is None else ("PASS" if hit["pass"] else "FAIL")
+    keys = sorted(set(a.config) | set(b.config))
+    diff = [[k, json.dumps(a.config.get(k)), json.dumps(b.config.get(k))] for k in keys if a.config.get(k) != b.config.get(k)]
+    body = (f"<h1>vkdsl runs {_e(a.dir.name)} and {_e(b.dir.name)}</h1><h2>Surfaces</h2>"
+            + _table(["surface"] + [n for n, _ in cols], _surface_rows(cols))
+            + "<h2>Gates</h2>" + _table(["gate", a.dir.name, b.dir.name], [[g, res(a, g), res(b, g)] for g in names])
+            + "<h2>Settings that differ</h2>" + (_table(["setting", a.dir.name, b.dir.name], diff) if diff else
+                                                 "<p>None: the same settings.</p>")
+            + "<div class='row'>" + _fit(a) + _fit(b) + "</div>")
+    return atomic_write(Path(out) if out else a.dir / f"compare-{b.dir.name}.html", _page("vkdsl compare", body))

@@ -43,8 +43,16 @@ def dpo_stage(r):
     history, ev = dpo.train_dpo(r.model, r.params, r.tok, dcfg, pairs, held, r.dir, rep.say, event, reference, hashes,
                                   r.prefix)
     r.dpo_history = history
+    after = r.held.scores(adapters_on=True)          # every surface again, after DPO (one scoring pass)
+    surf = r.held.surfaces(after, adapters_on=True)
+    ev["after"] = {"heldout_acc": after["acc"], "heldout_correct": after["k"], "heldout_n": after["n"],
+                   "heldout_acc_ci": evidence.wilson(after["k"], after["n"]) if after["n"] else None,
+                   "heldout_loss": after["heldout_loss"],
+                   "heldout_target_prob": evidence.target_prob(after["label_lp"], after["truth"]),
+                   **{k: v for k, v in surf.items() if k != "decisions"},
+                   "decision_agreement_with_sft": evidence.agreement(surf["decisions"], (r.final or {}).get("decisions", []))}
     if base_pres is not None and r.passages:
-        ev["preservation_delta"] = evidence.mean_loss(r.scorer.row_logprobs(r.passages, True)) - base_pres
+        ev["preservation_delta"] = after["pres"] - base_pres
     rep.say(f"DPO evidence ({time.perf_counter() - t0:.0f}s):")
     for split in ("train", "heldout"):
         e = ev.get(split)
@@ -55,6 +63,13 @@ def dpo_stage(r):
     if "preservation_delta" in ev:
         rep.say(f"  preservation change vs base: {ev['preservation_delta']:+.4f} nats/token")
     rep.say("  " + dpo.margin_story(ev["heldout"] or ev["train"]))
+    a = ev["after"]
+    if a["heldout_acc"] is not None:
+        rep.say(f"  after DPO: held-out label accuracy {a['heldout_acc']:.3f} Wilson 95% [{a['heldout_acc_ci'][0]:.3f}, "
+                f"{a['heldout_acc_ci'][1]:.3f}], ECE {a['calibration']['ece']:.3f}, format {a.get('format_valid', 0):.3f}, "
+                f"worst slice {a['slices']['worst']}"
+                + (f", decisions equal to after SFT on {a['decision_agreement_with_sft']:.3f}"
+                   if a["decision_agreement_with_sft"] is not None else ""))
     with open(r.dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"event": "dpo_evidence", "step": cfg.steps + cfg.dpo_steps,
                             **{f"dpo_{k}": v for k, v in ev.items() if v is not None}}) + "\n")

@@ -163,7 +163,11 @@ class Run:
         self.decisions_seen = [("base", self.base.get("decisions", []))]
         self.r.say(f"base evaluation in {time.perf_counter() - t0:.1f}s: held-out loss {self.base['heldout_loss']:.4f}"
                    + (f", label accuracy {self.base['acc']:.3f}" if self.base['acc'] is not None else "")
-                   + f", preservation loss {self.base['pres']:.4f}")
+                   + f", preservation loss {self.base['pres']:.4f}"
+                   + (f", calibration ECE {self.base['calibration']['ece']:.3f}" if self.base.get("calibration") else "")
+                   + (f", format {self.base['format_valid']:.3f}" if self.base.get("format_valid") is not None else ""))
+        for f in self.base.get("format_failures", []):
+            self.r.say(f"  base format failure {f['row']}: expected {f['expected']!r}, generated {f['generated']!r}")
 
     def _base_key(self) -> str:
         """What the base model's evaluation depends on: base, tokenizer, data files and the settings
@@ -199,7 +203,7 @@ class Run:
             if fp is not None:
                 ev["stability_fp32"] = {"rows": len(fp), "agreement": evidence.agreement(ev["decisions"][:len(fp)], fp)}
         ev["checksum_changed"] = ev["checksum"] != self.init_sum
-        ev["spectrum"] = evidence.spectrum(self.model, self.names)
+        ev["spectrum"] = evidence.spectrum(self.model, self.names, top=self.cfg.rank)
         ev.update(self._merge_check())
         ev["eval_seconds"] = time.perf_counter() - t0
         self.r.say(evidence.table(ev))
