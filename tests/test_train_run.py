@@ -99,7 +99,7 @@ def test_cli_run_writes_evidence_and_gates(setup, tmp_path, capsys):
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "adapter.gguf").is_file()
     assert json.loads((out / "adapter" / "vkdsl_manifest.json").read_text())["objective"] == "sft+dpo"
     page = (out / "report.html").read_text()
-    assert "<svg" in page and "dpo_loss" in page
+    assert "<svg" in page and "DPO loss" in page
     assert main(["--stepz", "3"]) == 1
 
 
@@ -121,3 +121,19 @@ def test_single_token_label_scoring_equals_candidate_scoring(setup, tmp_path):
     slow = r.held.scores(True)
     assert (fast["k"], fast["n"]) == (slow["k"], slow["n"]) and slow["n"] == 3
     assert fast["heldout_loss"] == pytest.approx(slow["heldout_loss"], rel=1e-5)
+
+
+def test_dpo_only_run_has_no_sft_gates(setup, tmp_path, capsys):
+    """objective dpo: no SFT step, so the evidence table and gates must not need one (this crashed)."""
+    tm, tr, he, pr = setup
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": f"the dog {i} is", "chosen": " the fox", "rejected": " a cat"}) + "\n"
+                             for i in range(8)))
+    out = tmp_path / "dpo"
+    rc = main(["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
+               "--labels", "low,medium,high", "--max-len", "64", "--rank", "4", "--objective", "dpo", "--no-verify",
+               "--quiet", "--out", str(out), "--dpo-train-file", str(prefs), "--dpo-steps", "2", "--dpo-batch", "4"])
+    assert rc in (0, 2)
+    names = [g["gate"] for g in json.loads((out / "gates.json").read_text())]
+    assert "train loss fell" not in names and "held-out accuracy" not in names      # no SFT-stage gates
+    assert {"DPO held-out pairs", "preservation after DPO", "after DPO: format"} <= set(names)

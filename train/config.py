@@ -76,7 +76,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     merge_check_rows: int = 2
     format_tokens: int = 8                           # greedy tokens generated for a format failure shown
-    stability_rows: int = 16                         # held-out rows re-decided on the fp32-dequantized base
+    stability_rows: int = 8                          # held-out rows re-decided on the fp32-dequantized base
     gate_heldout_acc: float = 0.5                    # held-out label accuracy must exceed this (and its
                                                      # Wilson lower bound the base's accuracy)
     gate_dpo_pair_acc: float = 0.5                   # DPO: held-out pair accuracy must exceed this

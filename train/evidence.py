@@ -208,14 +208,32 @@ def merged_check(model, ckpt, name, ids: np.ndarray, prefix=None):
     return float(np.abs(mer - sep).max()), float((mer.argmax(-1) == sep.argmax(-1)).mean())
 
 
-def gates(ev, first_loss, cfg):
+def surface_gates(ev, cfg, base_acc, stage=""):
+    """The gates of the held-out surfaces (task, calibration, format, worst slice) of one stage."""
     g = []
     if ev.get("heldout_acc") is not None:
         # better than the base beyond sampling noise: the Wilson 95% lower bound clears the base's accuracy
-        lo, base = ev["heldout_acc_ci"][0], ev.get("heldout_acc_base")
-        ok = ev["heldout_acc"] > cfg.gate_heldout_acc and (base is None or lo > base)
-        g.append(("held-out accuracy", ok, f"{ev['heldout_acc']:.3f} > {cfg.gate_heldout_acc}"
-                  + ("" if base is None else f", Wilson 95% lower bound {lo:.3f} > base {base:.3f}")))
+        lo = ev["heldout_acc_ci"][0]
+        ok = ev["heldout_acc"] > cfg.gate_heldout_acc and (base_acc is None or lo > base_acc)
+        g.append((stage + "held-out accuracy", ok, f"{ev['heldout_acc']:.3f} > {cfg.gate_heldout_acc}"
+                  + ("" if base_acc is None else f", Wilson 95% lower bound {lo:.3f} > base {base_acc:.3f}")))
+    if ev.get("calibration"):
+        g.append((stage + "calibration", ev["calibration"]["ece"] <= cfg.gate_calibration,
+                  f"ECE {ev['calibration']['ece']:.3f} <= {cfg.gate_calibration}"))
+    if ev.get("format_valid") is not None:
+        g.append((stage + "format", ev["format_valid"] >= cfg.gate_format,
+                  f"{ev['format_valid']:.3f} of {ev['format_n']} greedy outputs are one label + end-of-turn "
+                  f">= {cfg.gate_format}"))
+    sl = ev.get("slices")
+    if sl and sl["worst"] is not None and sl["categories"][sl["worst"]]["accuracy"] is not None:
+        w = sl["categories"][sl["worst"]]
+        g.append((stage + "worst slice", w["accuracy"] >= cfg.gate_slice,
+                  f"{sl['worst']}: accuracy {w['accuracy']:.3f} over {w['n']} rows >= {cfg.gate_slice}"))
+    return g
+
+
+def gates(ev, first_loss, cfg):
+    g = surface_gates(ev, cfg, ev.get("heldout_acc_base"))
     g.append(("preservation damage", ev["preservation_delta"] <= cfg.gate_preservation,
               f"{ev['preservation_delta']:+.4f} <= {cfg.gate_preservation} nats/token"))
     if first_loss is not None:                  # no SFT step (objective dpo): no SFT gates
@@ -225,18 +243,6 @@ def gates(ev, first_loss, cfg):
     if ev.get("merge_max_diff") is not None:
         g.append(("merged == separate", ev["merge_max_diff"] <= cfg.gate_merge,
                   f"max diff {ev['merge_max_diff']:.2e} <= {cfg.gate_merge}"))
-    if ev.get("calibration"):
-        g.append(("calibration", ev["calibration"]["ece"] <= cfg.gate_calibration,
-                  f"ECE {ev['calibration']['ece']:.3f} <= {cfg.gate_calibration}"))
-    if ev.get("format_valid") is not None:
-        g.append(("format", ev["format_valid"] >= cfg.gate_format,
-                  f"{ev['format_valid']:.3f} of {ev['format_n']} greedy outputs are one label + end-of-turn "
-                  f">= {cfg.gate_format}"))
-    sl = ev.get("slices")
-    if sl and sl["worst"] is not None and sl["categories"][sl["worst"]]["accuracy"] is not None:
-        w = sl["categories"][sl["worst"]]
-        g.append(("worst slice", w["accuracy"] >= cfg.gate_slice,
-                  f"{sl['worst']}: accuracy {w['accuracy']:.3f} over {w['n']} rows >= {cfg.gate_slice}"))
     fp = ev.get("stability_fp32")
     if fp and fp["agreement"] is not None:
         g.append(("stability (fp32 base)", fp["agreement"] >= cfg.gate_stability,
@@ -244,7 +250,7 @@ def gates(ev, first_loss, cfg):
     return g
 
 
-def dpo_gates(ev, cfg):
+def dpo_gates(ev, cfg, base_acc=None):
     g = []
     held = ev.get("heldout")
     if held:
@@ -253,6 +259,8 @@ def dpo_gates(ev, cfg):
     if "preservation_delta" in ev:
         g.append(("preservation after DPO", ev["preservation_delta"] <= cfg.gate_preservation,
                   f"{ev['preservation_delta']:+.4f} <= {cfg.gate_preservation} nats/token"))
+    if ev.get("after"):
+        g += surface_gates(ev["after"], cfg, base_acc, "after DPO: ")
     return g
 
 

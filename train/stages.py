@@ -73,7 +73,7 @@ def dpo_stage(r):
     with open(r.dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"event": "dpo_evidence", "step": cfg.steps + cfg.dpo_steps,
                             **{f"dpo_{k}": v for k, v in ev.items() if v is not None}}) + "\n")
-    more = evidence.dpo_gates(ev, cfg)
+    more = evidence.dpo_gates(ev, cfg, (getattr(r, "base", None) or {}).get("acc"))
     for name, ok, why in more:
         rep.say(f"  {'PASS' if ok else 'FAIL'}  {name}: {why}")
     r.gates = list(r.gates) + more

@@ -367,7 +367,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
         np.savez(buf, **{f"{n}.lora_A": r.model.lora[n].A.numpy() for n in r.names},
                  **{f"{n}.lora_B": r.model.lora[n].B.numpy() for n in r.names})
         checkpoint.atomic_write(run_dir / "adapter.npz", buf.getvalue())
-        if evidence_at_end:
+        if evidence_at_end and cfg.objective != "dpo":       # DPO alone: its stage has the evidence and gates
             r.final = r.evaluate(final=True)
             r.gates = evidence.gates(r.final, r.first_loss, cfg)
             rep.say("gates:")
