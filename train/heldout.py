@@ -55,9 +55,11 @@ class Heldout:
         sc = self.scorer.row_logprobs(cands, adapters_on)
         return idx, np.array([s for s, _ in sc], np.float64).reshape(len(idx), len(self.cfg.labels))
 
-    def scores(self, adapters_on):
+    def scores(self, adapters_on, with_format=True):
         """Held-out loss (per row), label log-probs of the labelled rows, whether each labelled row's
-        greedy continuation is exactly one label then end-of-turn (format), preservation loss."""
+        greedy continuation is exactly one label then end-of-turn (format; in single-token mode a
+        second pass over the rows whose greedy label is not the true one, skipped without
+        with_format), preservation loss."""
         L = len(self.cfg.labels)
         truth = [self.cfg.labels.index(self.heldout[i].completion.strip()) for i in self.cand_idx]
         if self.extra is not None:
@@ -76,7 +78,9 @@ class Heldout:
                 else:
                     fmt.append(None)
                     pending.append((j, self.cands[j * L + g[0]]))
-            if pending:
+            if not with_format:
+                fmt = []
+            elif pending:
                 for (j, _), flag in zip(pending, self.scorer.scores([c for _, c in pending], adapters_on).greedy):
                     fmt[j] = flag
         else:

@@ -330,8 +330,9 @@ def _mark_resume(metrics: Path, step: int):
     checkpoint.atomic_write(metrics, ("\n".join(keep) + "\n").encode())
 
 
-def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None, reuse=None):
-    """Returns the Run (its final evidence in .final, gates in .gates). at_step: see Run.train_loop."""
+def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None, reuse=None, final=True):
+    """Returns the Run (its final evidence in .final, gates in .gates). at_step: see Run.train_loop.
+    final=False: the base evidence but no final evaluation or gates (a probe measuring at its own steps)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     rep = Reporter(run_dir / "train.log", cfg.quiet, cfg.jsonl)
@@ -367,7 +368,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
         np.savez(buf, **{f"{n}.lora_A": r.model.lora[n].A.numpy() for n in r.names},
                  **{f"{n}.lora_B": r.model.lora[n].B.numpy() for n in r.names})
         checkpoint.atomic_write(run_dir / "adapter.npz", buf.getvalue())
-        if evidence_at_end and cfg.objective != "dpo":       # DPO alone: its stage has the evidence and gates
+        if evidence_at_end and final and cfg.objective != "dpo":   # DPO alone: its stage has evidence and gates
             r.final = r.evaluate(final=True)
             r.gates = evidence.gates(r.final, r.first_loss, cfg)
             rep.say("gates:")

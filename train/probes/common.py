@@ -26,14 +26,14 @@ def open_run(ctx, tag: str, **over) -> Run:
     return Run(cfg, cfg.out, Reporter(ctx.work / tag / "train.log", quiet=True))
 
 
-def train_run(ctx, tag: str, at_step=None, reuse=None, **over) -> Run:
+def train_run(ctx, tag: str, at_step=None, reuse=None, final=True, **over) -> Run:
     """trainer.run in WORK/tag with the base evaluation shared across the probe's runs."""
     cfg = config(ctx, tag, **over)
     shared = ctx.work / BASE_EVAL
     if shared.is_file():
         shutil.copyfile(shared, ctx.work / tag / BASE_EVAL)
     ctx.say(f"  training {tag} ...")
-    r = run(cfg, cfg.out, at_step=at_step, reuse=reuse)
+    r = run(cfg, cfg.out, at_step=at_step, reuse=reuse, final=final)
     if (ctx.work / tag / BASE_EVAL).is_file():
         shutil.copyfile(ctx.work / tag / BASE_EVAL, shared)
     return r

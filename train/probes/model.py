@@ -37,7 +37,7 @@ def _norm(g) -> float:
 
 
 @probe("init", "zero-B init: logits equal the base's exactly; first backward dA = 0, dB != 0 in every module; "
-       "second backward dA != 0", needs_model=True, minutes="40 s", rows=4)
+       "second backward dA != 0", needs_model=True, minutes="25 s", rows=4)
 def init(ctx) -> Result:
     """The trainer's default adapters (B = 0, A random) on the model: the adapted logits against
     adapters off on held-out rows, then the trainer's own first two optimizer steps. dL/dA =
@@ -165,7 +165,7 @@ def _stored(w, ggml_type, name):
 
 
 @probe("merge", "merged vs separate adapters: max |logit diff| and argmax agreement for fp32, f16 and "
-       "requantized merges, with the update requantization erases", needs_model=True, minutes="2 min",
+       "requantized merges, with the update requantization erases", needs_model=True, minutes="1.7 min",
        steps=16, rows=8)
 def merge(ctx) -> Result:
     """Trains the default adapters for `steps` steps, then merges every adapted module,
@@ -239,7 +239,7 @@ def _pres(model, passages, tok, cfg):
 
 @probe("int4-storage", "the base in packed int4 / NF4: round-trip error per matrix, device bytes from the "
        "allocations, preservation loss, an adapter trained on it; 4-bit values in fp32 save nothing",
-       needs_model=True, minutes="4 min", steps=16, train=True)
+       needs_model=True, minutes="4.5 min", steps=16, train=True)
 def int4_storage(ctx) -> Result:
     """Every matrix whose rows split into groups of 64 (the projections and the embedding/LM head)
     is quantized on load (quant = int4: symmetric, one scale per 64; nf4: the NormalFloat codebook
