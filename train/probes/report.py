@@ -49,6 +49,6 @@ def write_report(res, p, out: Path) -> Path:
     atomic_write(path, "\n".join(doc).encode())
     atomic_write(out / f"{p.name}.json", json.dumps(
         {"probe": p.name, "title": res.title, "params": res.params, "seconds": res.seconds, "passed": res.passed,
-         "rows": res.rows, "expectations": [e.__dict__ for e in res.expectations], "notes": res.notes},
+         "columns": res.columns, "rows": res.rows, "expectations": [e.__dict__ for e in res.expectations], "notes": res.notes},
         indent=1, default=float).encode())
     return path
