@@ -109,8 +109,9 @@ def full_update_svd(ctx) -> Result:
     k = p["rank"]
     ex = [Expectation(f"the LoRA update has at most r = {k} nonzero singular values (sigma_{k + 1} <= 1e-5 sigma_1)",
                       f"sigma_{k + 1} / sigma_1 = {sl['sv'][k] / sl['sv'][0]:.2e}", sl["sv"][k] <= 1e-5 * sl["sv"][0]),
-          Expectation("both trainings lower the loss over the training rows", f"full {loss_full[0]:.3f} -> {loss_full[-1]:.3f}, LoRA "
-                      f"{loss_lora[0]:.3f} -> {loss_lora[-1]:.3f}", loss_full[-1] < loss_full[0] and loss_lora[-1] < loss_lora[0]),
+          Expectation("both trainings lower the loss over the training rows",
+                      f"full {loss_full[0]:.3f} -> {loss_full[-1]:.3f}, LoRA {loss_lora[0]:.3f} -> {loss_lora[-1]:.3f}",
+                      loss_full[-1] < loss_full[0] and loss_lora[-1] < loss_lora[0]),
           Expectation(f"the unconstrained update is not rank {k}: sigma_{k + 1} > 1e-3 sigma_1",
                       f"sigma_{k + 1} / sigma_1 = {sf['sv'][k] / sf['sv'][0]:.2e}, 99% of ||dW||^2 needs "
                       f"{sf['n99']} of {len(sf['sv'])} directions", sf["sv"][k] > 1e-3 * sf["sv"][0], structural=False)]

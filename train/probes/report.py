@@ -34,7 +34,8 @@ def write_report(res, p, out: Path) -> Path:
     doc = [f"<!doctype html><html><head><meta charset=\"utf-8\"><title>vkdsl probe {p.name}</title>"
            f"<style>{CSS}</style></head><body>",
            f"<h1>vkdsl probe {html.escape(p.name)}</h1><p>{html.escape(res.title)}</p>",
-           f"<p class=\"{'pass' if res.passed else 'fail'}\">{'every structural expectation holds' if res.passed else 'a structural expectation failed'}"
+           f"<p class=\"{'pass' if res.passed else 'fail'}\">"
+           f"{'every structural expectation holds' if res.passed else 'a structural expectation failed'}"
            f" ({res.seconds:.0f} s)</p>",
            "<h2>Measurements</h2>", _table(res.columns, res.rows),
            "<h2>Expectations</h2><table><tr><th></th><th>expected</th><th>measured</th></tr>" + ex + "</table>",
