@@ -164,3 +164,16 @@ def test_probe_refuses_model_without_chat_template(tiny, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["probe", "tickets", "--model", str(hf), "--out", str(tmp_path / "o")])
     assert e.value.code == 1 and "needs a model with a chat template" in capsys.readouterr().err
+
+
+def test_cli_config_file_runs_a_model_probe(tiny, tmp_path, capsys):
+    """--config: the trainer settings (model, data, labels) a probe's runs start from, as vkdsl-train reads them."""
+    tm, train, d = tiny
+    toml = tmp_path / "t.toml"
+    lines = [f'model = "{tm.gguf_path}"'] + [f"{k} = {json.dumps(v)}" for k, v in train.items()]
+    toml.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["probe", "init", "--config", str(toml), "--json", "--out", str(tmp_path / "o")])
+    assert e.value.code == 0
+    rows = [json.loads(x)["row"] for x in capsys.readouterr().out.splitlines() if '"row"' in x]
+    assert [r["module"] for r in rows] == ["blk.0.attn_q", "blk.0.attn_v", "blk.1.attn_q", "blk.1.attn_v"]
