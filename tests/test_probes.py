@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from fixtures.train_data import tiny_setup, write_jsonl
+from fixtures.train_data import tiny_prefs, tiny_setup
 from vkdsl.cli import main
 from vkdsl.train import probes
 
@@ -20,8 +20,7 @@ SIGMA = [8, 4, 2, 1, 0.5, 0.25, 0.125, 0.0625]
 def tiny(tmp_path_factory):
     d = tmp_path_factory.mktemp("probes")
     tm, tr, he, pr = tiny_setup(d)
-    prefs = write_jsonl(d / "prefs.jsonl", [{"prompt": f"the dog {i} is", "chosen": " the fox",
-                                             "rejected": " a capital"} for i in range(8)])
+    prefs = tiny_prefs(d / "prefs.jsonl")
     train = dict(train_file=tr, heldout_file=he, preservation_file=pr, labels=["low", "medium", "high"],
                  max_len=64, bucket=16, rank=4, alpha=8.0, lr=1e-2, warmup=1, batch_size=4, eval_batch=4,
                  layers="", targets=["attn_q", "attn_v"], dpo_train_file=prefs, dpo_heldout_file=prefs,

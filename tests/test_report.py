@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from fixtures.train_data import tiny_setup, write_jsonl
+from fixtures.train_data import tiny_prefs, tiny_setup
 from vkdsl.cli import main
 from vkdsl.cli.train import main as train_main
 from vkdsl.train.report import PANELS, build_report, compare_report
@@ -20,8 +20,7 @@ from vkdsl.train.report import PANELS, build_report, compare_report
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("report")
     tm, tr, he, pr = tiny_setup(d)
-    prefs = write_jsonl(d / "prefs.jsonl", [{"prompt": f"the dog {i} is", "chosen": " the fox",
-                                             "rejected": " a capital"} for i in range(8)])
+    prefs = tiny_prefs(d / "prefs.jsonl")
     common = ["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
               "--labels", "low,medium,high", "--max-len", "64", "--rank", "4", "--alpha", "8", "--lr", "1e-2",
               "--warmup", "1", "--steps", "4", "--batch-size", "4", "--eval-batch", "4", "--tmkl", "0",

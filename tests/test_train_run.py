@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from fixtures.train_data import tiny_cfg, tiny_setup
+from fixtures.train_data import tiny_cfg, tiny_prefs, tiny_setup
 from vkdsl.train import checkpoint
 from vkdsl.cli.train import main
 from vkdsl.train.trainer import Run, TrainingStopped, run
@@ -126,9 +126,7 @@ def test_single_token_label_scoring_equals_candidate_scoring(setup, tmp_path):
 def test_dpo_only_run_has_no_sft_gates(setup, tmp_path, capsys):
     """objective dpo: no SFT step, so the evidence table and gates must not need one (this crashed)."""
     tm, tr, he, pr = setup
-    prefs = tmp_path / "prefs.jsonl"
-    prefs.write_text("".join(json.dumps({"prompt": f"the dog {i} is", "chosen": " the fox", "rejected": " a cat"}) + "\n"
-                             for i in range(8)))
+    prefs = tiny_prefs(tmp_path / "prefs.jsonl")
     out = tmp_path / "dpo"
     rc = main(["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
                "--labels", "low,medium,high", "--max-len", "64", "--rank", "4", "--objective", "dpo", "--no-verify",

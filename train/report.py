@@ -56,7 +56,8 @@ def _num(v, nd=3) -> str:
     return str(v)
 
 
-def _table(head, rows, raw=False) -> str:
+def html_table(head, rows, raw=False) -> str:
+    """A table of cell strings (escaped unless raw)."""
     th = "".join(f"<th>{_e(h)}</th>" for h in head)
     body = "".join("<tr>" + "".join(f"<td>{c if raw else _e(c)}</td>" for c in r) + "</tr>" for r in rows)
     return f"<table><tr>{th}</tr>{body}</table>"
@@ -143,14 +144,14 @@ def _fit(d: RunData) -> str:
 
 def _transfer(d: RunData) -> str:
     st = _stages(d)
-    parts = [_table(["surface"] + [n for n, _ in st], _surface_rows(st))]
+    parts = [html_table(["surface"] + [n for n, _ in st], _surface_rows(st))]
     rel = [reliability_chart(e["calibration"]["bins"], n) for n, e in st if e.get("calibration")]
     if rel:
         parts.append("<p class='q'>Reliability: accuracy per bin of the winning label's probability (bar), the "
                      "diagonal is perfect calibration; n = rows in the bin.</p><div class='row'>" + "".join(rel) + "</div>")
     fails = [(n, f) for n, e in st for f in e.get("format_failures", [])]
     if fails:
-        parts.append("<p class='q'>Format failures, verbatim (greedy, up to three per stage):</p>" + _table(
+        parts.append("<p class='q'>Format failures, verbatim (greedy, up to three per stage):</p>" + html_table(
             ["stage", "row", "expected", "generated"], [[n, f["row"].rsplit("/", 1)[-1], f["expected"],
                                                          repr(f["generated"])] for n, f in fails]))
     return "".join(parts)
@@ -171,7 +172,7 @@ def _cost(d: RunData) -> str:
     change = {c: v[last]["accuracy"] - v["base"]["accuracy"] for c, v in cats.items()
               if last in v and "base" in v and v[last]["accuracy"] is not None and v["base"]["accuracy"] is not None}
     chart = bar_chart(change, f"accuracy change, base -> {last}") if change and last != "base" else ""
-    return _table(["category: loss / accuracy"] + names, rows) + chart
+    return html_table(["category: loss / accuracy"] + names, rows) + chart
 
 
 def _dpo(d: RunData) -> str:
@@ -184,7 +185,7 @@ def _dpo(d: RunData) -> str:
     rows = [[k, _num(split.get(k))] for k in ("pair_accuracy", "improvement_accuracy", "margin_improvement",
                                               "chosen_drift", "rejected_drift", "pairs")]
     story = f"<p>{_e(margin_story(split))}</p>" if split else ""
-    return chart + _table(["held-out pairs" if d.dpo.get("heldout") else "training pairs", "value"], rows) + story
+    return chart + html_table(["held-out pairs" if d.dpo.get("heldout") else "training pairs", "value"], rows) + story
 
 
 def _update(d: RunData) -> str:
@@ -196,13 +197,13 @@ def _update(d: RunData) -> str:
     first = dict(list(spec.items())[:6])
     chart = line_chart({m: [x / s["sv"][0] for x in s["sv"]] for m, s in first.items() if s["sv"] and s["sv"][0] > 0},
                        "singular value index", "sigma_i / sigma_1 (log)", log=True, w=620)
-    return chart + _table(["module", "top singular values of s·A·B", "stable rank", "||s·A·B||_F"], rows)
+    return chart + html_table(["module", "top singular values of s·A·B", "stable rank", "||s·A·B||_F"], rows)
 
 
 def _gates(d: RunData) -> str:
     if not d.gates:
         return "<p>No gates recorded.</p>"
-    return _table(["gate", "result", "detail"], [[_e(g["gate"]), f"<span class='{'pass' if g['pass'] else 'fail'}'>"
+    return html_table(["gate", "result", "detail"], [[_e(g["gate"]), f"<span class='{'pass' if g['pass'] else 'fail'}'>"
                                                   f"{'PASS' if g['pass'] else 'FAIL'}</span>", _e(g["detail"])]
                                                  for g in d.gates], raw=True)
 
@@ -217,7 +218,7 @@ def _provenance(d: RunData) -> str:
         rows.append([k, f"{Path(str(v.get('file', ''))).name} (sha256 {str(v.get('sha256', ''))[:16]}...)"])
     rows += [[f"setting: {k}", json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in c.items()
              if not str(k).endswith("_file") and k != "model"]
-    return _table(["what", "value"], rows)
+    return html_table(["what", "value"], rows)
 
 
 PANELS = [("Did training fit?", "Training loss per step and held-out loss per evaluation (same units), the "
@@ -260,9 +261,9 @@ def compare_report(run_a, run_b, out=None) -> Path:
     keys = sorted(set(a.config) | set(b.config))
     diff = [[k, json.dumps(a.config.get(k)), json.dumps(b.config.get(k))] for k in keys if a.config.get(k) != b.config.get(k)]
     body = (f"<h1>vkdsl runs {_e(a.dir.name)} and {_e(b.dir.name)}</h1><h2>Surfaces</h2>"
-            + _table(["surface"] + [n for n, _ in cols], _surface_rows(cols))
-            + "<h2>Gates</h2>" + _table(["gate", a.dir.name, b.dir.name], [[g, res(a, g), res(b, g)] for g in names])
-            + "<h2>Settings that differ</h2>" + (_table(["setting", a.dir.name, b.dir.name], diff) if diff else
+            + html_table(["surface"] + [n for n, _ in cols], _surface_rows(cols))
+            + "<h2>Gates</h2>" + html_table(["gate", a.dir.name, b.dir.name], [[g, res(a, g), res(b, g)] for g in names])
+            + "<h2>Settings that differ</h2>" + (html_table(["setting", a.dir.name, b.dir.name], diff) if diff else
                                                  "<p>None: the same settings.</p>")
             + "<div class='row'>" + _fit(a) + _fit(b) + "</div>")
     return atomic_write(Path(out) if out else a.dir / f"compare-{b.dir.name}.html", _page("vkdsl compare", body))

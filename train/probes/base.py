@@ -17,6 +17,10 @@ class Expectation:
     ok: bool
     structural: bool = True    # False: reported, but a miss does not fail the probe
 
+    @property
+    def tag(self) -> str:
+        return ("PASS" if self.ok else "FAIL") if self.structural else ("holds" if self.ok else "not seen")
+
 
 @dataclass
 class Result:
@@ -43,8 +47,7 @@ class Result:
     def text(self) -> str:
         lines = [self.title, "", self.table(), ""]
         for e in self.expectations:
-            tag = ("PASS" if e.ok else "FAIL") if e.structural else ("holds" if e.ok else "not seen")
-            lines.append(f"  {tag:8s} {e.claim}: {e.measured}")
+            lines.append(f"  {e.tag:8s} {e.claim}: {e.measured}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -12,7 +12,7 @@ from vkdsl.models import load_model_files
 from vkdsl.models.default import default_model_path
 
 from ..config import DATA
-from ..evidence import Scorer, mean_loss, wilson
+from ..evidence import mean_loss, wilson
 from ..stages import dpo_stage
 from .base import Expectation, ProbeError, Result, probe
 from .common import need_labels, need_template, train_run
@@ -223,7 +223,6 @@ def _against_base(r, ev):
     cfg = r.cfg
     path = cfg.dpo_heldout_file or cfg.dpo_train_file
     pairs, _ = load_pairs(path, r.tok, cfg.chat_template, cfg.max_len, cfg.truncation_side)
-    scorer = Scorer(r.model, r.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, r.prefix)
-    bc, br = reference_logps(scorer, pairs, False)
-    return dpo_evidence(scorer, pairs, bc, br)
+    bc, br = reference_logps(r.scorer, pairs, False)
+    return dpo_evidence(r.scorer, pairs, bc, br)
 
