@@ -47,6 +47,7 @@ class Tokenizer:
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.chat_template = chat_template
         self.source = source
+        self._template = (None, None)        # (source text, compiled): compiling costs ~6 ms a row
 
     @property
     def vocab_size(self) -> int:
@@ -72,6 +73,15 @@ class Tokenizer:
         """Render the model's own Jinja chat template (sandboxed) to a string."""
         if not self.chat_template:
             raise ModelFileError(f"{self.source}: no chat template in the model files")
+        if self._template[0] != self.chat_template:
+            self._template = (self.chat_template, self._compile_template())
+        token = lambda i: None if i is None else self._engine.id_to_token(i)  # noqa: E731
+        return self._template[1].render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=token(self.bos_id) or "", eos_token=token(self.eos_id) or "",
+            pad_token=token(self.pad_id) or "", **extra)
+
+    def _compile_template(self):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
 
@@ -82,11 +92,7 @@ class Tokenizer:
         # Like transformers: non-ASCII stays readable and nothing is HTML-escaped.
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False,
                                                                        indent=indent)
-        token = lambda i: None if i is None else self._engine.id_to_token(i)  # noqa: E731
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=token(self.bos_id) or "", eos_token=token(self.eos_id) or "",
-            pad_token=token(self.pad_id) or "", **extra)
+        return env.from_string(self.chat_template)
 
     # ------------------------------------------------------------------ builders
 

@@ -76,6 +76,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     merge_check_rows: int = 2
     format_tokens: int = 8                           # greedy tokens generated for a format failure shown
+    format_examples: int = 3                         # format failures generated verbatim and shown
     stability_rows: int = 8                          # held-out rows re-decided on the fp32-dequantized base
     gate_heldout_acc: float = 0.5                    # held-out label accuracy must exceed this (and its
                                                      # Wilson lower bound the base's accuracy)
@@ -122,7 +123,8 @@ class TrainConfig:
             (self.weight_decay >= 0, "weight_decay must be >= 0"),
             (self.clip >= 0, "clip must be >= 0"),
             (self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every/checkpoint_every must be >= 0"),
-            (self.format_tokens >= 1 and self.stability_rows >= 0, "format_tokens must be >= 1, stability_rows >= 0"),
+            (self.format_tokens >= 1 and self.format_examples >= 0 and self.stability_rows >= 0,
+             "format_tokens must be >= 1, format_examples and stability_rows >= 0"),
             (all(0 <= getattr(self, g) <= 1 for g in ("gate_format", "gate_calibration", "gate_slice", "gate_stability")),
              "gate_format, gate_calibration, gate_slice and gate_stability must be in [0, 1]"),
             (len(self.targets) > 0, "targets must name at least one module pattern"),
@@ -209,7 +211,9 @@ HELP = {
     "eval_batch": "rows per evaluation batch",
     "checkpoint_every": "steps between checkpoints; 0 = only at the end",
     "merge_check_rows": "rows on which merged and separate logits are compared",
-    "format_tokens": "format surface: tokens generated greedily for each failure shown (three at most)",
+    "format_tokens": "format surface: tokens generated greedily for each failure shown",
+    "format_examples": "format surface: failures generated verbatim and shown (0 = none; the share is exact "
+                       "either way, from the teacher-forced pass)",
     "stability_rows": "stability surface: held-out rows decided again with the same adapter on the base "
                       "dequantized to fp32 (0 = skip)",
     "gate_heldout_acc": "gate: held-out label accuracy must exceed this, and its Wilson 95% lower bound the "

@@ -77,7 +77,8 @@ class Scorer:
                 for j, (t, tokid) in enumerate((extra[s + i] if extra else [])):
                     pos.append(i * T + t), sl.append(tokid), owner.append((i, j))
                     scored[i, t] = True
-            S = -(-len(pos) // 64) * 64
+            g = 16 if len(pos) <= 64 else 64            # few scored positions (labels): a 16-row LM head
+            S = -(-len(pos) // g) * g
             p = np.zeros(S, np.int32)
             lb = np.full(S, IGNORE, np.int32)
             p[:len(pos)], lb[:len(pos)] = pos, sl

@@ -104,7 +104,7 @@ class Heldout:
                 "pres": evidence.mean_loss(pres) if pres else 0.0}
 
     def surfaces(self, sc, adapters_on) -> dict:
-        """Calibration, format (with up to three failures generated verbatim), slices and the label
+        """Calibration, format (with up to format_examples failures generated verbatim), slices and the label
         decisions of one scoring pass (_scores)."""
         M, truth, fmt = sc["label_lp"], sc["truth"], sc["format"]
         out = {"calibration": evidence.calibration(M, truth),
@@ -113,7 +113,8 @@ class Heldout:
         if fmt:
             out["format_valid"] = float(np.mean(fmt))
             out["format_n"] = len(fmt)
-            out["format_failures"] = self._generate_failures([j for j, f in enumerate(fmt) if not f][:3], adapters_on)
+            shown = [j for j, f in enumerate(fmt) if not f][:self.cfg.format_examples]
+            out["format_failures"] = self._generate_failures(shown, adapters_on)
         return out
 
     def _generate_failures(self, which, adapters_on):

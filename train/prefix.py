@@ -47,18 +47,23 @@ class FrozenPrefix:
         B, T = ids.shape
         keys = [self.key(ids[b], scored[b]) for b in range(B)]
         out = np.zeros((B, T, self.model.cfg.dim), np.float32)
-        if all(k in self.rows for k, _ in keys):
-            self.hits += B
-        else:
-            self.misses += 1
-            full = np.asarray(self.fn(ids), np.float32)
-            for b, (k, end) in enumerate(keys):
-                if k not in self.rows and self.bytes + 4 * end * out.shape[2] <= self.budget:
-                    self.rows[k] = full[b, :end].copy()
-                    self.bytes += self.rows[k].nbytes
-            for b, (_, end) in enumerate(keys):
-                out[b, :end] = full[b, :end]
-            return out
+        miss, seen = [], {}
         for b, (k, end) in enumerate(keys):
-            out[b, :end] = self.rows[k]
+            if end and k not in self.rows and k not in seen:
+                seen[k] = len(miss)
+                miss.append(b)
+        self.hits += B - len(miss)
+        if miss:
+            # only the rows not cached yet, padded to a power of two (a few batch shapes, few programs)
+            self.misses += 1
+            n = min(B, 1 << (len(miss) - 1).bit_length())
+            full = np.asarray(self.fn(ids[miss + miss[:1] * (n - len(miss))]), np.float32)
+            for j, b in enumerate(miss):
+                k, end = keys[b]
+                if self.bytes + 4 * end * out.shape[2] <= self.budget:
+                    self.rows[k] = full[j, :end].copy()
+                    self.bytes += self.rows[k].nbytes
+        for b, (k, end) in enumerate(keys):
+            if end:
+                out[b, :end] = self.rows[k] if k in self.rows else full[seen[k], :end]
         return out

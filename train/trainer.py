@@ -175,7 +175,8 @@ class Run:
         c = self.cfg
         parts = {**self.identity, "heldout": checkpoint.sha256_file(c.heldout_file),
                  "preservation": checkpoint.sha256_file(c.preservation_file) if c.preservation_file else "",
-                 "settings": [c.quant, c.labels, c.chat_template, c.max_len, c.truncation_side, c.bucket, c.eval_batch]}
+                 "settings": [c.quant, c.labels, c.chat_template, c.max_len, c.truncation_side, c.bucket, c.eval_batch,
+                              c.format_tokens, c.format_examples]}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     def evaluate(self, final=False):

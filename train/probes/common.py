@@ -13,11 +13,16 @@ from ..trainer import BASE_EVAL, Run, run
 from .base import ProbeError
 
 
+# evidence no probe table shows (failures generated verbatim, the fp32-base decisions, merged logits):
+# off unless the probe's --config asks for it
+QUIET_EVIDENCE = {"format_examples": 0, "stability_rows": 0, "merge_check_rows": 0}
+
+
 def config(ctx, tag: str, **over) -> TrainConfig:
     d = ctx.work / tag
     d.mkdir(parents=True, exist_ok=True)
-    return TrainConfig(**{**ctx.train, "model": ctx.model, "verify": False, "quiet": True, "out": str(d),
-                          **over}).validate()
+    return TrainConfig(**{**QUIET_EVIDENCE, **ctx.train, "model": ctx.model, "verify": False, "quiet": True,
+                          "out": str(d), **over}).validate()
 
 
 def open_run(ctx, tag: str, **over) -> Run:

@@ -44,8 +44,7 @@ def tickets(ctx) -> Result:
     need_template(_tokenizer(ctx), "tickets", ctx.model)
     rows, prev = [], None
     for s in range(ctx.seeds):
-        r = train_run(ctx, f"seed{s}", reuse=prev, seed=s, objective="sft", steps=ctx.params["steps"],
-                      stability_rows=0, merge_check_rows=0)
+        r = train_run(ctx, f"seed{s}", reuse=prev, seed=s, objective="sft", steps=ctx.params["steps"])
         need_labels(r, "tickets")
         prev, f = r, r.final
         acc, n_train = _train_accuracy(r)
@@ -87,7 +86,7 @@ def prompt_mask(ctx) -> Result:
     rows, prev = [], None
     for arm in ("completion", "all"):
         r = train_run(ctx, f"loss-on-{arm}", reuse=prev, loss_on=arm, objective="sft", tmkl=0.0,
-                      steps=ctx.params["steps"], stability_rows=0, merge_check_rows=0)
+                      steps=ctx.params["steps"])
         need_labels(r, "prompt-mask")
         prev, f = r, r.final
         sup = sum(sum(1 for t in x.labels if t != -100) for x in r.train)
@@ -115,12 +114,15 @@ def prompt_mask(ctx) -> Result:
 
 @probe("rehearsal", "general-text rehearsal weights 0 / 0.1 / 1 against a disjoint preservation set, at "
        "checkpoints: task loss, held-out accuracy, preservation change", needs_model=True, minutes="13 min",
-       weights=[0.0, 0.1, 1.0], checkpoints=[1, 10, 20, 40, 80], layers="last:4", rehearsal_batch=4)
+       weights=[0.0, 0.1, 1.0], checkpoints=[1, 10, 20, 40], layers="last:4",
+       targets=["attn_q", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"], batch_size=1,
+       rehearsal_batch=1, task_rows=8)
 def rehearsal(ctx) -> Result:
     """objective = task mean + w * general-text mean; the rehearsal text (bundled rehearsal.jsonl)
     makes gradients, the preservation text (preservation.jsonl, no sentence shared) only measures.
-    Plain SFT (no TMKL) with adapters on q, v of the top layers, so that rehearsal is the only
-    force toward general text. Task and rehearsal-text losses are means over every row of each."""
+    Plain SFT (no TMKL) with adapters on the top layers only, so that rehearsal is the only force
+    toward general text. The task loss is the mean over task_rows training rows spread evenly over
+    the file (every row with task_rows=0); the rehearsal text's loss over all of its rows."""
     p = ctx.params
     cps = sorted(set(p["checkpoints"]))
     reh = ctx.train.get("rehearsal_file") or str(DATA / "rehearsal.jsonl")
@@ -130,16 +132,17 @@ def rehearsal(ctx) -> Result:
 
         def at(r, w=w, marks=marks):
             if r.step in cps:
+                n = len(r.train)
+                task = r.train if not 0 < p["task_rows"] < n else \
+                    [r.train[i * n // p["task_rows"]] for i in range(p["task_rows"])]
                 sc = r.held.scores(True, with_format=False)
-                marks.append({"weight": w, "step": r.step,
-                              "task loss": mean_loss(r.scorer.row_logprobs(r.train, True)),
+                marks.append({"weight": w, "step": r.step, "task loss": mean_loss(r.scorer.row_logprobs(task, True)),
                               "held-out accuracy": sc["acc"], "preservation change": sc["pres"] - r.base["pres"],
                               "rehearsal text loss": mean_loss(r.scorer.row_logprobs(r.rehearsal, True))})
         r = train_run(ctx, f"weight-{w:g}", at_step=at, reuse=prev, final=False, objective="sft", tmkl=0.0,
-                      steps=cps[-1],
-                      targets=["attn_q", "attn_v"], layers=p["layers"], rehearsal_file=reh,
-                      rehearsal_batch=p["rehearsal_batch"],
-                      rehearsal_weight=w, eval_every=0, checkpoint_every=0, merge_check_rows=0, stability_rows=0)
+                      steps=cps[-1], targets=p["targets"], layers=p["layers"], batch_size=p["batch_size"],
+                      rehearsal_file=reh, rehearsal_batch=p["rehearsal_batch"], rehearsal_weight=w,
+                      eval_every=0, checkpoint_every=0)
         need_labels(r, "rehearsal")
         prev = r
         rows += marks
@@ -155,7 +158,8 @@ def rehearsal(ctx) -> Result:
                       _monotone([_at(rows, w, cps[-1])["rehearsal text loss"] for w in sorted(p["weights"])]),
                       structural=False)]
     return Result(f"rehearsal: weights {', '.join(f'{w:g}' for w in p['weights'])} at steps "
-                  f"{', '.join(map(str, cps))} (q, v on {p['layers']}, plain SFT)", list(rows[0]), rows, ex,
+                  f"{', '.join(map(str, cps))} ({', '.join(p['targets'])} on {p['layers']}, batch {p['batch_size']} + "
+                  f"{p['rehearsal_batch']} rehearsal rows, plain SFT)", list(rows[0]), rows, ex,
                   notes=["preservation change is against the untouched base on passages disjoint from the rehearsal "
                          "text; choosing a checkpoint by it would make it validation data"])
 
