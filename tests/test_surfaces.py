@@ -54,6 +54,27 @@ def test_calibration_matches_definition():
     assert sum(b["n"] for b in got["bins"]) == 200
 
 
+def test_spectrum_matches_dense_svd():
+    """The update's singular values from the r x r core equal a dense float64 SVD of s * A @ B."""
+    from types import SimpleNamespace as NS
+    rng = np.random.default_rng(1)
+    arr = lambda a: NS(numpy=lambda: a.astype(np.float32))  # noqa: E731
+    shapes = {"wide": (48, 160, 8), "tall": (200, 24, 4), "rank-deficient": (64, 64, 6)}
+    lora = {}
+    for n, (i, o, r) in shapes.items():
+        A, B = rng.standard_normal((i, r)), rng.standard_normal((r, o))
+        if n == "rank-deficient":
+            B[3:] = 0.0
+        lora[n] = NS(A=arr(A), B=arr(B), scale=-1.7)
+    got = evidence.spectrum(NS(lora=lora), list(shapes), top=10)
+    for n, lo in lora.items():
+        d = lo.scale * (lo.A.numpy().astype(np.float64) @ lo.B.numpy().astype(np.float64))
+        sv = np.linalg.svd(d, compute_uv=False)
+        np.testing.assert_allclose(got[n]["sv"], sv[:10], rtol=1e-9, atol=1e-9 * sv[0])
+        assert math.isclose(got[n]["stable_rank"], (sv ** 2).sum() / sv[0] ** 2, rel_tol=1e-9)
+        assert math.isclose(got[n]["fro"], np.linalg.norm(d), rel_tol=1e-9)
+
+
 def greedy_is_label(r, ex, adapters_on):
     """Real greedy decoding with the KV cache: does it emit exactly one label's tokens then EOS?"""
     if not adapters_on:

@@ -176,12 +176,16 @@ def checksum(params) -> str:
 
 
 def spectrum(model, names, top=4):
-    """Per module: singular values of the learned update s*A*B (in, out) and its stable rank."""
+    """Per module: singular values of the learned update s*A*B (in, out) and its stable rank.
+    A B has rank <= r: with A = Qa Ra and B^T = Qb Rb (thin QR), A B = Qa (Ra Rb^T) Qb^T, so its
+    singular values are those of the r x r matrix Ra Rb^T (exact, without the dense in x out SVD)."""
     out = {}
     for n in names:
         lo = model.lora[n]
-        d = lo.scale * (lo.A.numpy().astype(np.float64) @ lo.B.numpy().astype(np.float64))
-        sv = np.linalg.svd(d, compute_uv=False)
+        A, B = lo.A.numpy().astype(np.float64), lo.B.numpy().astype(np.float64)
+        ra, rb = np.linalg.qr(A, mode="r"), np.linalg.qr(B.T, mode="r")
+        sv = abs(lo.scale) * np.linalg.svd(ra @ rb.T, compute_uv=False)
+        sv = np.concatenate([sv, np.zeros(max(0, min(top, *A.shape[:1], *B.shape[1:]) - len(sv)))])
         sr = float((sv ** 2).sum() / sv[0] ** 2) if sv[0] > 0 else 0.0
         out[n] = {"sv": [float(x) for x in sv[:top]], "stable_rank": sr, "fro": float(np.sqrt((sv ** 2).sum()))}
     return out

@@ -31,10 +31,11 @@ class TrainingStopped(RuntimeError):
 
 
 class Run:
-    def __init__(self, cfg, run_dir, reporter: Reporter, reuse: "Run | None" = None):
+    def __init__(self, cfg, run_dir, reporter: Reporter, reuse: "Run | None" = None, files=None):
         """reuse: an earlier Run of this process on the same base (same file and quant): its loaded
         model (adapters replaced), frozen-prefix rows and cached base logits are taken over, since
-        they depend only on the base and the rows (a probe's seeds and arms)."""
+        they depend only on the base and the rows (a probe's seeds and arms). files: the
+        (checkpoint, tokenizer) of cfg.model already read (load_model_files), else read here."""
         self.cfg, self.dir, self.r = cfg, Path(run_dir), reporter
         path = cfg.model
         if not path:
@@ -48,7 +49,7 @@ class Run:
             self.ckpt, self.tok, self.model, self.identity = reuse.ckpt, reuse.tok, reuse.model, reuse.identity
             self.model.lora = {}
         else:
-            self.ckpt, self.tok = load_model_files(path)
+            self.ckpt, self.tok = files if files is not None else load_model_files(path)
             self.model = Llama(self.ckpt, quant=cfg.quant)
             self.identity = {"base_sha256": checkpoint.sha256_file(path),
                              "tokenizer_sha256": checkpoint.tokenizer_hash(self.tok), "quant": cfg.quant}
@@ -331,9 +332,11 @@ def _mark_resume(metrics: Path, step: int):
     checkpoint.atomic_write(metrics, ("\n".join(keep) + "\n").encode())
 
 
-def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None, reuse=None, final=True):
+def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None, reuse=None, final=True,
+        files=None):
     """Returns the Run (its final evidence in .final, gates in .gates). at_step: see Run.train_loop.
-    final=False: the base evidence but no final evaluation or gates (a probe measuring at its own steps)."""
+    final=False: the base evidence but no final evaluation or gates (a probe measuring at its own steps).
+    reuse, files: see Run."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     rep = Reporter(run_dir / "train.log", cfg.quiet, cfg.jsonl)
@@ -342,7 +345,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
     rep.say("configuration:\n" + cfg.pretty())
     if not resume:
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
-    r = Run(cfg, run_dir, rep, reuse)
+    r = Run(cfg, run_dir, rep, reuse, files)
     r.preflight()
     if resume and not any((Path(resume) / n).exists() for n in (checkpoint.NAME, checkpoint.LEGACY)):
         rep.say(f"no checkpoint in {resume} yet: starting from step 0 with its config")

@@ -92,6 +92,15 @@ class Context:
     params: dict
     say: Callable = print
     train: dict = field(default_factory=dict)    # trainer settings from --config (data, labels, max_len, ...)
+    _files: tuple | None = field(default=None, init=False, repr=False)
+
+    def files(self):
+        """(checkpoint, tokenizer) of the probe's model, read once (a GGUF's header takes seconds)."""
+        if self._files is None:
+            from vkdsl.models import load_model_files
+            from vkdsl.models.default import default_model_path
+            self._files = load_model_files(self.model or default_model_path())
+        return self._files
 
 
 REGISTRY: dict[str, Probe] = {}

@@ -28,7 +28,7 @@ def config(ctx, tag: str, **over) -> TrainConfig:
 def open_run(ctx, tag: str, **over) -> Run:
     """A Run (model loaded, adapters injected, data read), not trained; its log in WORK/tag."""
     cfg = config(ctx, tag, **over)
-    return Run(cfg, cfg.out, Reporter(ctx.work / tag / "train.log", quiet=True))
+    return Run(cfg, cfg.out, Reporter(ctx.work / tag / "train.log", quiet=True), files=ctx.files())
 
 
 def train_run(ctx, tag: str, at_step=None, reuse=None, final=True, **over) -> Run:
@@ -38,10 +38,18 @@ def train_run(ctx, tag: str, at_step=None, reuse=None, final=True, **over) -> Ru
     if shared.is_file():
         shutil.copyfile(shared, ctx.work / tag / BASE_EVAL)
     ctx.say(f"  training {tag} ...")
-    r = run(cfg, cfg.out, at_step=at_step, reuse=reuse, final=final)
+    r = run(cfg, cfg.out, at_step=at_step, reuse=reuse, final=final, files=ctx.files())
     if (ctx.work / tag / BASE_EVAL).is_file():
         shutil.copyfile(ctx.work / tag / BASE_EVAL, shared)
     return r
+
+
+def sample(rows: list, n: int) -> list:
+    """A fixed random sample of n rows (the same every run, file order kept); all of them when n
+    is 0 or >= len. Random, not every k-th: files often cycle through their categories."""
+    if not 0 < n < len(rows):
+        return rows
+    return [rows[i] for i in sorted(np.random.default_rng(0).choice(len(rows), n, replace=False))]
 
 
 def need_labels(r, probe: str):

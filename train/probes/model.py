@@ -8,8 +8,6 @@ import gc
 import numpy as np
 
 import vkdsl
-from vkdsl.models import load_model_files
-from vkdsl.models.default import default_model_path
 from vkdsl.models.llama import Llama
 from vkdsl.models.quantized import PACKED_GGUF, Packed
 from vkdsl.models.tensors import TensorRecord
@@ -246,8 +244,7 @@ def int4_storage(ctx) -> Result:
     is quantized on load (quant = int4: symmetric, one scale per 64; nf4: the NormalFloat codebook
     with absmax scales) and stays packed on the device, dequantized inside the matmul shader. The
     negative control holds the same int4-rounded values in fp32 tensors."""
-    path = ctx.model or default_model_path()
-    ck, tok = load_model_files(path)
+    ck, tok = ctx.files()
     cfg = config(ctx, "int4-storage")
     passages = load_passages(cfg.preservation_file, tok, cfg.max_len)
     names = [n for n in ck.tensors if len(ck[n].shape) == 2 and ck[n].shape[1] % 64 == 0]
@@ -309,6 +306,6 @@ def int4_storage(ctx) -> Result:
                          f"[{f['heldout_acc_ci'][0]:.3f}, {f['heldout_acc_ci'][1]:.3f}] (the int4 base alone "
                          f"{f['heldout_acc_base']:.3f}); preservation {f['preservation_delta']:+.4f} vs the int4 "
                          f"base itself")
-    return Result(f"int4-storage: {path if ctx.model else 'the default model'} stored five ways",
+    return Result(f"int4-storage: {ctx.model or 'the default model'} stored five ways",
                   ["storage", "weight bytes on the device", "vs fp32", "rel. Frobenius error min/mean/max",
                    "preservation loss", "change vs fp32"], rows, ex, notes=notes)

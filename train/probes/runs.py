@@ -8,23 +8,17 @@ import shutil
 
 import numpy as np
 
-from vkdsl.models import load_model_files
-from vkdsl.models.default import default_model_path
-
 from ..config import DATA
 from ..evidence import mean_loss, wilson
 from ..stages import dpo_stage
 from .base import Expectation, ProbeError, Result, probe
-from .common import need_labels, need_template, train_run
+from .common import need_labels, need_template, sample, train_run
 
 
-def _tokenizer(ctx):
-    return load_model_files(ctx.model or default_model_path())[1]
-
-
-def _train_accuracy(r):
-    idx, lp = r.held.label_logprobs(r.train, True)
-    truth = [r.cfg.labels.index(r.train[i].completion.strip()) for i in idx]
+def _train_accuracy(r, n_rows):
+    rows = sample(r.train, n_rows)
+    idx, lp = r.held.label_logprobs(rows, True)
+    truth = [r.cfg.labels.index(rows[i].completion.strip()) for i in idx]
     return (float(np.mean(lp.argmax(1) == np.array(truth))) if idx else None), len(idx)
 
 
@@ -35,19 +29,19 @@ def _ci(f):
 
 @probe("tickets", "the bundled support-ticket task over seeds: train and held-out accuracy (Wilson 95%), "
        "target probability within the labels, preservation change, per seed", needs_model=True,
-       minutes="6 min", seeds=3, steps=12)
+       minutes="6 min", seeds=3, steps=12, train_rows=32)
 def tickets(ctx) -> Result:
     """The trainer's default SFT (+ TMKL) on the bundled task (12 steps here, the default run's 16
     with --set steps=16), once per adapter seed over the same rows in the same order: the seed
     measures optimization instability on a fixed sample, so the seeds are reported side by side
     and never pooled into one count (the rows are shared)."""
-    need_template(_tokenizer(ctx), "tickets", ctx.model)
+    need_template(ctx.files()[1], "tickets", ctx.model)
     rows, prev = [], None
     for s in range(ctx.seeds):
         r = train_run(ctx, f"seed{s}", reuse=prev, seed=s, objective="sft", steps=ctx.params["steps"])
         need_labels(r, "tickets")
         prev, f = r, r.final
-        acc, n_train = _train_accuracy(r)
+        acc, n_acc = _train_accuracy(r, ctx.params["train_rows"])
         if s == 0:
             k, n = r.base["k"], r.base["n"]
             lo, hi = wilson(k, n)
@@ -68,9 +62,11 @@ def tickets(ctx) -> Result:
     for x in seeds:
         for k in ("_lo", "_base", "_first", "_n"):
             x.pop(k)
-    return Result(f"tickets: {ctx.seeds} seeds of the bundled task ({n_train} training rows, "
+    return Result(f"tickets: {ctx.seeds} seeds of the bundled task ({len(prev.train)} training rows, "
                   f"{seeds and prev.final['heldout_n']} held-out)", list(rows[1]), rows, ex,
-                  notes=["target probability: the true label's probability renormalized within the label set "
+                  notes=[f"train accuracy over {n_acc} of the {len(prev.train)} training rows, a fixed random "
+                         f"sample (--set train_rows=0: every row)",
+                         "target probability: the true label's probability renormalized within the label set "
                          "(softmax over the labels' log-probs), not the model's probability of emitting it",
                          "the Wilson intervals assume independent rows; the seeds share rows, so they are not "
                          "independent trials and are not pooled"])
@@ -82,7 +78,7 @@ def prompt_mask(ctx) -> Result:
     """Two runs that differ in one setting, loss_on: completion (the prompt and template masked,
     the default) or all (every token of the row scored). Same seed, rows, rank, steps and learning
     rate; evaluation scores the completions in both."""
-    need_template(_tokenizer(ctx), "prompt-mask", ctx.model)
+    need_template(ctx.files()[1], "prompt-mask", ctx.model)
     rows, prev = [], None
     for arm in ("completion", "all"):
         r = train_run(ctx, f"loss-on-{arm}", reuse=prev, loss_on=arm, objective="sft", tmkl=0.0,
@@ -121,8 +117,8 @@ def rehearsal(ctx) -> Result:
     """objective = task mean + w * general-text mean; the rehearsal text (bundled rehearsal.jsonl)
     makes gradients, the preservation text (preservation.jsonl, no sentence shared) only measures.
     Plain SFT (no TMKL) with adapters on the top layers only, so that rehearsal is the only force
-    toward general text. The task loss is the mean over task_rows training rows spread evenly over
-    the file (every row with task_rows=0); the rehearsal text's loss over all of its rows."""
+    toward general text. The task loss is the mean over a fixed random sample of task_rows training
+    rows (every row with task_rows=0); the rehearsal text's loss over all of its rows."""
     p = ctx.params
     cps = sorted(set(p["checkpoints"]))
     reh = ctx.train.get("rehearsal_file") or str(DATA / "rehearsal.jsonl")
@@ -132,9 +128,7 @@ def rehearsal(ctx) -> Result:
 
         def at(r, w=w, marks=marks):
             if r.step in cps:
-                n = len(r.train)
-                task = r.train if not 0 < p["task_rows"] < n else \
-                    [r.train[i * n // p["task_rows"]] for i in range(p["task_rows"])]
+                task = sample(r.train, p["task_rows"])
                 sc = r.held.scores(True, with_format=False)
                 marks.append({"weight": w, "step": r.step, "task loss": mean_loss(r.scorer.row_logprobs(task, True)),
                               "held-out accuracy": sc["acc"], "preservation change": sc["pres"] - r.base["pres"],
@@ -184,7 +178,7 @@ def dpo_drift(ctx) -> Result:
     """DPO alone (no SFT) on the bundled preference pairs, reference = the base, once per seed;
     then one run with no reference (the control: the loss sees only the policy's own margin).
     Drifts are mean log-prob changes of the held-out responses against the base."""
-    need_template(_tokenizer(ctx), "dpo-drift", ctx.model)
+    need_template(ctx.files()[1], "dpo-drift", ctx.model)
     rows, prev = [], None
     arms = [(s, "base") for s in range(ctx.seeds)] + [(0, "none")]
     for s, ref in arms:
