@@ -29,7 +29,7 @@ def _ci(f):
 
 @probe("tickets", "the bundled support-ticket task over seeds: train and held-out accuracy (Wilson 95%), "
        "target probability within the labels, preservation change, per seed", needs_model=True,
-       minutes="6 min", seeds=3, steps=12, train_rows=32)
+       minutes="4.5 min", seeds=3, steps=12, train_rows=32)
 def tickets(ctx) -> Result:
     """The trainer's default SFT (+ TMKL) on the bundled task (12 steps here, the default run's 16
     with --set steps=16), once per adapter seed over the same rows in the same order: the seed
@@ -73,7 +73,7 @@ def tickets(ctx) -> Result:
 
 
 @probe("prompt-mask", "the negative control: loss on every token vs on the response only, same rows: held-out "
-       "accuracy and preservation damage of each, and their ratio", needs_model=True, minutes="5.2 min", steps=16)
+       "accuracy and preservation damage of each, and their ratio", needs_model=True, minutes="4.1 min", steps=16)
 def prompt_mask(ctx) -> Result:
     """Two runs that differ in one setting, loss_on: completion (the prompt and template masked,
     the default) or all (every token of the row scored). Same seed, rows, rank, steps and learning
@@ -109,16 +109,16 @@ def prompt_mask(ctx) -> Result:
 
 
 @probe("rehearsal", "general-text rehearsal weights 0 / 0.1 / 1 against a disjoint preservation set, at "
-       "checkpoints: task loss, held-out accuracy, preservation change", needs_model=True, minutes="13 min",
+       "checkpoints: task loss, held-out accuracy, preservation change", needs_model=True, minutes="4.7 min",
        weights=[0.0, 0.1, 1.0], checkpoints=[1, 10, 20, 40], layers="last:4",
        targets=["attn_q", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"], batch_size=1,
-       rehearsal_batch=1, task_rows=8)
+       rehearsal_batch=1, task_rows=8, rehearsal_rows=8)
 def rehearsal(ctx) -> Result:
     """objective = task mean + w * general-text mean; the rehearsal text (bundled rehearsal.jsonl)
     makes gradients, the preservation text (preservation.jsonl, no sentence shared) only measures.
     Plain SFT (no TMKL) with adapters on the top layers only, so that rehearsal is the only force
     toward general text. The task loss is the mean over a fixed random sample of task_rows training
-    rows (every row with task_rows=0); the rehearsal text's loss over all of its rows."""
+    rows, the rehearsal text's over rehearsal_rows of its passages (0: every row of each)."""
     p = ctx.params
     cps = sorted(set(p["checkpoints"]))
     reh = ctx.train.get("rehearsal_file") or str(DATA / "rehearsal.jsonl")
@@ -132,7 +132,8 @@ def rehearsal(ctx) -> Result:
                 sc = r.held.scores(True, with_format=False)
                 marks.append({"weight": w, "step": r.step, "task loss": mean_loss(r.scorer.row_logprobs(task, True)),
                               "held-out accuracy": sc["acc"], "preservation change": sc["pres"] - r.base["pres"],
-                              "rehearsal text loss": mean_loss(r.scorer.row_logprobs(r.rehearsal, True))})
+                              "rehearsal text loss": mean_loss(r.scorer.row_logprobs(
+                                  sample(r.rehearsal, p["rehearsal_rows"]), True))})
         r = train_run(ctx, f"weight-{w:g}", at_step=at, reuse=prev, final=False, objective="sft", tmkl=0.0,
                       steps=cps[-1], targets=p["targets"], layers=p["layers"], batch_size=p["batch_size"],
                       rehearsal_file=reh, rehearsal_batch=p["rehearsal_batch"], rehearsal_weight=w,
@@ -155,7 +156,9 @@ def rehearsal(ctx) -> Result:
                   f"{', '.join(map(str, cps))} ({', '.join(p['targets'])} on {p['layers']}, batch {p['batch_size']} + "
                   f"{p['rehearsal_batch']} rehearsal rows, plain SFT)", list(rows[0]), rows, ex,
                   notes=["preservation change is against the untouched base on passages disjoint from the rehearsal "
-                         "text; choosing a checkpoint by it would make it validation data"])
+                         "text; choosing a checkpoint by it would make it validation data",
+                         f"task loss over a fixed random sample of {p['task_rows']} training rows, rehearsal text loss "
+                         f"over {p['rehearsal_rows']} of its passages (--set task_rows=0 / rehearsal_rows=0: all)"])
 
 
 def _texts(path):
@@ -173,7 +176,7 @@ def _monotone(xs):
 
 @probe("dpo-drift", "seeds of DPO from the base: loss, margin improvement, chosen and rejected drift (the "
        "share of the margin from lowering rejected), preservation; and the reference-free control",
-       needs_model=True, minutes="5 min", seeds=2, dpo_steps=6)
+       needs_model=True, minutes="4.1 min", seeds=2, dpo_steps=6)
 def dpo_drift(ctx) -> Result:
     """DPO alone (no SFT) on the bundled preference pairs, reference = the base, once per seed;
     then one run with no reference (the control: the loss sees only the policy's own margin).
