@@ -238,7 +238,7 @@ def _pres(model, passages, tok, cfg):
 
 @probe("int4-storage", "the base in packed int4 / NF4: round-trip error per matrix, device bytes from the "
        "allocations, preservation loss, an adapter trained on it; 4-bit values in fp32 save nothing",
-       needs_model=True, minutes="4.5 min", steps=16, train=True)
+       needs_model=True, minutes="4.1 min", steps=16, train=True)
 def int4_storage(ctx) -> Result:
     """Every matrix whose rows split into groups of 64 (the projections and the embedding/LM head)
     is quantized on load (quant = int4: symmetric, one scale per 64; nf4: the NormalFloat codebook
