@@ -72,30 +72,61 @@ def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
     return cfg, cfg.out
 
 
-def _run(config_path, resume, over) -> int:
+def _ranks(g, cfg, out):
+    """Under MPI: this rank's device (train.distributed.pick_device), the table of every rank's
+    device printed by rank 0, and where this rank writes: rank 0 the run folder, the others a
+    private scratch folder (only rank 0 writes checkpoints, adapters, manifest and report)."""
+    from vkdsl.train import distributed
+    distributed.pick_device(g)
+    dev = open_device(None, announce=False).info
+    mine = f"rank {g.rank}: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info})"
+    table = g.allgather(mine)
+    if g.root:
+        click.echo(f"vkdsl-train: {g.size} processes over MPI, one adapter; global batch "
+                   f"{cfg.batch_size} x {cfg.grad_accum} x {g.size} rows per step", err=True)
+        for line in table:
+            click.echo("  " + line, err=True)
+        return out, table
+    import tempfile
+    cfg.quiet = True
+    return tempfile.mkdtemp(prefix=f"vkdsl-rank{g.rank}-"), table
+
+
+def _run(config_path, resume, over, mode="auto") -> int:
+    from vkdsl.train import distributed
     from vkdsl.train.progress import Reporter
     from vkdsl.train.stages import dpo_stage, export
     from vkdsl.train.trainer import run
     cfg, out = settings(config_path, resume, over)
+    g = distributed.group(mode)
+    devices = None
+    if g.size > 1:
+        out, devices = _ranks(g, cfg, out)
     open_device(None)                       # a device that is not there fails before the model loads
     if cfg.verify:
         _verify(Reporter(None, cfg.quiet, cfg.jsonl))
     t0 = time.perf_counter()
-    r = run(cfg, out, resume=resume)
+    r = run(cfg, out, resume=resume, group=g)
+    r.devices = devices
     dpo_ev = dpo_stage(r) if "dpo" in cfg.objective else None
-    export(r, dpo_ev)
+    if g.root:
+        export(r, dpo_ev)
+    else:
+        import shutil
+        shutil.rmtree(out, ignore_errors=True)
     from vkdsl.trace import BUILT
     r.r.say(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training {r.train_seconds:.0f}s; "
             f"{BUILT['programs']} device programs built in {BUILT['seconds']:.0f}s)")
     return 0 if all(ok for _, ok, _ in r.gates) else 2
 
 
-def _main(config_path, resume, **values):
+def _main(config_path, resume, distributed="auto", **values):
     over = {k: v for k, v in values.items() if v is not None}
+    from vkdsl.train.distributed import DistributedError
     from vkdsl.train.trainer import TrainingStopped
     try:
-        code = _run(config_path, resume, over)
-    except (*USER_ERRORS, TrainingStopped, click.ClickException) as e:
+        code = _run(config_path, resume, over, distributed)
+    except (*USER_ERRORS, TrainingStopped, DistributedError, click.ClickException) as e:
         if os.environ.get("VKDSL_DEBUG") == "1":
             raise
         msg = e.format_message() if isinstance(e, click.ClickException) else user_error_line(e)
@@ -110,7 +141,9 @@ train = click.Command(
     params=[click.Option(["--config", "config_path"], type=click.Path(dir_okay=False), default=None,
                          help="TOML file of settings (keys = setting names)"),
             click.Option(["--resume"], type=click.Path(file_okay=False), default=None,
-                         help="continue the run in this folder from its last checkpoint")]
+                         help="continue the run in this folder from its last checkpoint"),
+            click.Option(["--distributed"], type=click.Choice(["auto", "mpi", "none"]), default="auto",
+                         show_default=True, help="data-parallel over MPI: auto = when started by mpirun")]
     + [_option(name) for name in C.FIELDS])
 
 

@@ -11,6 +11,7 @@ the few LoRA tensors; the new values are written back into the same device buffe
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 
@@ -18,6 +19,7 @@ import vkdsl
 from vkdsl.autograd import grad, rowwise
 from vkdsl.ops import losses
 
+from .distributed import my_share, ring_bytes
 from .packing import Packing
 from .prefix import FrozenPrefix
 
@@ -240,21 +242,45 @@ class Stepper:
         feed = pk.apply(x, 0)
         return self.fn_packed(feed, pos, lab, inv, pk.positions(), pk.segments(), *base)
 
-    def step(self, micro, lr, rehearsal=None):
+    def step(self, micro, lr, rehearsal=None, group=None):
         """rehearsal: (micro-batches of general text, weight w): the objective becomes the task's
-        mean plus w times the general text's mean (each over its own supervised tokens)."""
+        mean plus w times the general text's mean (each over its own supervised tokens).
+        group (train.distributed): micro-batches are the whole step's on every rank; this rank
+        computes its share, and one all-reduce of the flat gradient (with the loss sums) makes the
+        step's gradient everywhere, normalized by the global token counts as in one process."""
         n_total = int(sum((m[1] != IGNORE).sum() for m in micro))
         if n_total == 0:
             raise ValueError("an optimizer step with no supervised token")
-        gs, ce, kl, count = self.grads(micro, n_total)
+        share = micro if group is None else my_share(micro, group)
+        gs, ce, kl, count = self.grads(share, n_total) if share else (None, 0.0, 0.0, {"computed": 0, "micro": 0,
+                                                                                          "packed": 0})
+        gs = gs if gs is not None else [np.zeros(p.shape, np.float32) for p in self.params]
         extra = {}
         if rehearsal is not None and rehearsal[1] > 0:
             rmicro, w = rehearsal
             n_r = int(sum((m[1] != IGNORE).sum() for m in rmicro))
-            gr, ce_r, _, cr = self.grads(rmicro, n_r / w)
-            gs = [a + b for a, b in zip(gs, gr)]
-            count["computed"] += cr["computed"]
+            rshare = rmicro if group is None else my_share(rmicro, group)
+            ce_r = 0.0
+            if rshare:
+                gr, ce_r, _, cr = self.grads(rshare, n_r / w)
+                gs = [a + b for a, b in zip(gs, gr)]
+                count["computed"] += cr["computed"]
             extra["rehearsal_loss"] = ce_r / n_r
+        if group is not None and group.size > 1:
+            flat = np.concatenate([g.ravel() for g in gs] + [np.array([ce, kl, extra.get("rehearsal_loss", 0.0)],
+                                                                      np.float32)])
+            t = time.perf_counter()
+            flat = group.allreduce_sum(flat.astype(np.float32))
+            extra["allreduce_s"] = time.perf_counter() - t
+            extra["ring_bytes"] = ring_bytes(flat.nbytes, group.size)
+            gs, k = [], 0
+            for p in self.params:
+                n = int(np.prod(p.shape))
+                gs.append(flat[k:k + n].reshape(p.shape))
+                k += n
+            ce, kl = float(flat[k]), float(flat[k + 1])
+            if "rehearsal_loss" in extra:
+                extra["rehearsal_loss"] = float(flat[k + 2])
         raw = gs
         gs, norm = clip(gs, self.cfg.clip)
         cur = [p.numpy() for p in self.params]

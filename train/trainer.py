@@ -17,6 +17,7 @@ from vkdsl.ops.losses import check_labels
 
 from . import checkpoint, evidence
 from .data import IGNORE, DataError, Sampler, check_batches, collate, load_examples, load_passages
+from .distributed import Single, check_replicas
 from .heldout import Heldout
 from .inject import count_report, inject, params_of
 from .prefix import FrozenPrefix, first_adapted_layer
@@ -30,12 +31,18 @@ class TrainingStopped(RuntimeError):
     pass
 
 
+REPLICA_CHECK_EVERY = 5         # steps between the all-gathered adapter checksums of a parallel run
+
+
 class Run:
-    def __init__(self, cfg, run_dir, reporter: Reporter, reuse: "Run | None" = None, files=None):
+    def __init__(self, cfg, run_dir, reporter: Reporter, reuse: "Run | None" = None, files=None, group=None):
         """reuse: an earlier Run of this process on the same base (same file and quant): its loaded
         model (adapters replaced), frozen-prefix rows and cached base logits are taken over, since
         they depend only on the base and the rows (a probe's seeds and arms). files: the
-        (checkpoint, tokenizer) of cfg.model already read (load_model_files), else read here."""
+        (checkpoint, tokenizer) of cfg.model already read (load_model_files), else read here.
+        group: train.distributed's process group (None: one process); a step's global batch is
+        batch_size x grad_accum x P rows, the same rows one process would take with that batch."""
+        self.group = group or Single()
         self.cfg, self.dir, self.r = cfg, Path(run_dir), reporter
         path = cfg.model
         if not path:
@@ -82,7 +89,8 @@ class Run:
                        f"and reused (prefix cache, up to {cfg.prefix_cache_bytes / 2**20:.0f} MiB)")
         cache = reuse.stepper.base_cache if reuse is not None and reuse.prefix is self.prefix else None
         self.stepper = Stepper(self.model, self.params, cfg, self.prefix, base_cache=cache)
-        self.sampler = Sampler(self.train, cfg.batch_size * cfg.grad_accum, cfg.data_seed)
+        self.rows_per_step = cfg.batch_size * cfg.grad_accum * self.group.size
+        self.sampler = Sampler(self.train, self.rows_per_step, cfg.data_seed)
         self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix)
         self.held = Heldout(cfg, self.model, self.ckpt, self.tok, self.pad, self.scorer, self.heldout, self.passages)
         self.init_sum = evidence.checksum([p.numpy() for p in self.params])
@@ -240,7 +248,7 @@ class Run:
                 raise checkpoint.CheckpointError(f"{path}: an adapter tensor of shape {a.shape}, the model's is "
                                                  f"{p.shape}")
         # the data order is a function of (data_seed, steps taken): replay it and compare
-        replay = Sampler(self.train, self.cfg.batch_size * self.cfg.grad_accum, self.cfg.data_seed)
+        replay = Sampler(self.train, self.rows_per_step, self.cfg.data_seed)
         for _ in range(meta["step"]):
             replay.next()
         if json.dumps(replay.state(), sort_keys=True) != json.dumps(meta["sampler"], sort_keys=True):
@@ -270,12 +278,14 @@ class Run:
             micro = self.micro_batches(self.sampler.next())
             lr = lr_at(self.step + 1, cfg)
             t0 = time.perf_counter()
-            rec = self.stepper.step(micro, lr, self.rehearsal_batch(self.step))
+            rec = self.stepper.step(micro, lr, self.rehearsal_batch(self.step), group=self.group)
             if not math.isfinite(rec["loss"]) or not math.isfinite(rec["tmkl"]):
                 raise TrainingStopped(f"non-finite loss ({rec['loss']}) at step {self.step + 1}: stopped "
                                       f"before applying it; the last good checkpoint (step "
                                       f"{self._ckpt_step()}) is kept in {self.dir}")
             self.step += 1
+            if self.group.size > 1 and (self.step % REPLICA_CHECK_EVERY == 0 or self.step == cfg.steps):
+                check_replicas(self.group, evidence.checksum([p.numpy() for p in self.params]), self.step)
             for k in ("computed", "micro", "packed"):
                 self.tokens[k] += rec[k]
             rec.update(lr=lr, time=time.perf_counter() - t0, seq_tokens=rec["computed"])
@@ -333,10 +343,10 @@ def _mark_resume(metrics: Path, step: int):
 
 
 def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None, reuse=None, final=True,
-        files=None):
+        files=None, group=None):
     """Returns the Run (its final evidence in .final, gates in .gates). at_step: see Run.train_loop.
     final=False: the base evidence but no final evaluation or gates (a probe measuring at its own steps).
-    reuse, files: see Run."""
+    reuse, files, group: see Run."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     rep = Reporter(run_dir / "train.log", cfg.quiet, cfg.jsonl)
@@ -345,7 +355,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
     rep.say("configuration:\n" + cfg.pretty())
     if not resume:
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
-    r = Run(cfg, run_dir, rep, reuse, files)
+    r = Run(cfg, run_dir, rep, reuse, files, group)
     r.preflight()
     if resume and not any((Path(resume) / n).exists() for n in (checkpoint.NAME, checkpoint.LEGACY)):
         rep.say(f"no checkpoint in {resume} yet: starting from step 0 with its config")

@@ -130,6 +130,15 @@ def list_devices() -> list[DeviceInfo]:
     return [_info(i, pd) for i, pd in enumerate(vkcall(vk.vkEnumeratePhysicalDevices, instance()))]
 
 
+def ranked_devices() -> list[DeviceInfo]:
+    """The devices of the most preferred kind present, by index (one per rank of a parallel job)."""
+    devices = list_devices()
+    if not devices:
+        return []
+    best = min(_PREFERENCE.index(d.kind) for d in devices)
+    return [d for d in devices if _PREFERENCE.index(d.kind) == best]
+
+
 def select(spec: str | int | None = None) -> DeviceInfo:
     """Pick a device by index or name substring; None means $VKDSL_DEVICE, else the best present.
 

@@ -1,0 +1,121 @@
+"""Data parallelism over MPI: P processes (Open MPI, through mpi4py), each driving its own Vulkan
+device, train one adapter. Only adapter gradients cross processes: each rank sums its share of a
+step's micro-batches, already scaled by 1/(the global supervised-token count), into one flat fp32
+buffer; Allreduce(SUM) makes the step's gradient on every rank, so clipping and AdamW then run
+identically everywhere. mpi4py is imported only when asked for (launched under mpirun, or
+--distributed mpi): single-process users load none of it.
+
+A rank that raises calls MPI_Abort, so the others stop at once instead of waiting in a collective;
+a rank that is killed is noticed by mpirun, which ends the job and names the rank."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+# what Open MPI (and PMIx-based launchers) put in each rank's environment
+_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
+
+
+class DistributedError(RuntimeError):
+    pass
+
+
+class Single:
+    """One process: every collective is the identity."""
+    rank, size, root = 0, 1, True
+
+    def allreduce_sum(self, buf: np.ndarray) -> np.ndarray:
+        return buf
+
+    def allgather(self, obj) -> list:
+        return [obj]
+
+    def barrier(self):
+        pass
+
+
+class MPIGroup:
+    """COMM_WORLD of the running job."""
+
+    def __init__(self):
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise DistributedError(f"--distributed mpi needs mpi4py ({e}); install it with ./setup.sh --mpi") from None
+        self.MPI, self.comm = MPI, MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.root = self.rank == 0
+        self.reduce_seconds = 0.0
+        _abort_on_exception(self)
+
+    def allreduce_sum(self, buf: np.ndarray) -> np.ndarray:
+        buf = np.ascontiguousarray(buf)
+        out = np.empty_like(buf)
+        t = time.perf_counter()
+        self.comm.Allreduce(buf, out, op=self.MPI.SUM)
+        self.reduce_seconds += time.perf_counter() - t
+        return out
+
+    def allgather(self, obj) -> list:
+        return self.comm.allgather(obj)
+
+    def barrier(self):
+        self.comm.Barrier()
+
+
+def launched_under_mpi() -> bool:
+    return any(v in os.environ for v in _LAUNCH_VARS)
+
+
+def group(mode: str = "auto"):
+    """auto: MPI when this process was started by mpirun, else one process; mpi; none."""
+    if mode not in ("auto", "mpi", "none"):
+        raise DistributedError(f"--distributed {mode!r}: expected auto, mpi or none")
+    if mode == "mpi" or (mode == "auto" and launched_under_mpi()):
+        return MPIGroup()
+    return Single()
+
+
+def ring_bytes(nbytes: int, size: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of nbytes: 2 (P - 1) / P x nbytes."""
+    return 2.0 * (size - 1) / size * nbytes
+
+
+def my_share(items: list, g) -> list:
+    """Rank r's items of a step: r, r + P, r + 2P, ... (every item exactly once over the ranks)."""
+    return items[g.rank::g.size]
+
+
+def check_replicas(g, checksum: str, step: int):
+    """Every rank must hold the same adapter after the same steps: compare checksums."""
+    sums = g.allgather(checksum)
+    if len(set(sums)) > 1:
+        bad = [r for r, s in enumerate(sums) if s != sums[0]]
+        raise DistributedError(f"after step {step} the adapter replicas differ: rank(s) {bad} hold "
+                               f"{sums[bad[0]]}, rank 0 holds {sums[0]}")
+
+
+def pick_device(g):
+    """Rank r uses $VKDSL_DEVICE when set, else the r-th device of the preferred kind (modulo
+    their count: several ranks may share one device)."""
+    if g.size == 1 or os.environ.get("VKDSL_DEVICE"):
+        return
+    from vkdsl.runtime.device import ranked_devices
+    devs = ranked_devices()
+    if devs:
+        os.environ["VKDSL_DEVICE"] = str(devs[g.rank % len(devs)].index)
+
+
+def _abort_on_exception(g):
+    """An uncaught exception on one rank aborts the job (the others would wait in a collective)."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.write(f"vkdsl: rank {g.rank} of {g.size} failed ({kind.__name__}: {value}); aborting every rank\n")
+        sys.stderr.flush()
+        g.comm.Abort(1)
+    sys.excepthook = hook
