@@ -23,6 +23,9 @@ BENCHES = {
               [click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft", show_default=True),
                click.Option(["--profile"], is_flag=True,
                             help="time per kernel class of one step (each dispatch alone), GFLOP/s, share")]),
+    "parallel": ("vkdsl.train.parallel_bench:bench_parallel",
+                 "Data-parallel SFT step (run under mpirun -np P): compute vs all-reduce seconds, ring bytes.",
+                 [click.Option(["--steps"], default=6, show_default=True, help="steps timed after one warm-up")]),
     "ops": ("vkdsl.ops.bench:bench_ops",
             "LoRA linear, softmax + CE, Q4_1 matmul and attention, forward and backward, beside numpy.", []),
     "quant": ("vkdsl.ops.bench:bench_quant",
@@ -37,11 +40,16 @@ def _arguments(name, kw):
         return (kw["model_path"],)
     if name == "train":
         return (kw["objective"], None, kw["profile"])
+    if name == "parallel":
+        return (kw["steps"],)
     return ()
 
 
 def _command(name, target, help_, options):
     def run(device, as_json, **kw):
+        if name == "parallel":                      # each rank its own device, before the device opens
+            from vkdsl.train.distributed import group, pick_device
+            pick_device(group("auto"))
         open_device(device, announce=not as_json)
         module, fn = target.split(":")
         rows = getattr(importlib.import_module(module), fn)(*_arguments(name, kw))

@@ -166,6 +166,7 @@ def parse(argv) -> tuple[str | None, str | None, dict]:
     """(config path, resume folder, settings given) of a command line, without running it."""
     ctx = train.make_context("vkdsl-train", list(argv))
     p = dict(ctx.params)
+    p.pop("distributed")                    # how the run is launched, not a setting of the run
     return p.pop("config_path"), p.pop("resume"), {k: v for k, v in p.items() if v is not None}
 
 

@@ -70,12 +70,17 @@ def launched_under_mpi() -> bool:
     return any(v in os.environ for v in _LAUNCH_VARS)
 
 
+_WORLD = []
+
+
 def group(mode: str = "auto"):
     """auto: MPI when this process was started by mpirun, else one process; mpi; none."""
     if mode not in ("auto", "mpi", "none"):
         raise DistributedError(f"--distributed {mode!r}: expected auto, mpi or none")
     if mode == "mpi" or (mode == "auto" and launched_under_mpi()):
-        return MPIGroup()
+        if not _WORLD:
+            _WORLD.append(MPIGroup())
+        return _WORLD[0]
     return Single()
 
 
