@@ -56,8 +56,8 @@ def setup(tmp_path_factory):
 def test_two_ranks_train_the_single_process_adapter(setup):
     tmp, s = setup
     # one process: 2 micro-batches of 1 row per step; two ranks: 1 row each, the same 2 rows a step
-    one = tiny_cfg(s, batch_size=1, grad_accum=2, steps=4, objective="sft", out=str(tmp / "one"))
-    run(one, one.out)
+    one = tiny_cfg(s, batch_size=1, grad_accum=2, steps=4, objective="sft", out=str(tmp / "one"), eval_batch=2)
+    single = run(one, one.out)
     p = _mpirun(2, ["--config", _toml(tmp / "two.toml", one, grad_accum=1), "--out", str(tmp / "two")])
     out, err = p.communicate(timeout=600)
     assert p.returncode in (0, 2), err[-3000:]           # 2: a gate of the tiny run failed, not the run
@@ -68,6 +68,11 @@ def test_two_ranks_train_the_single_process_adapter(setup):
     print(f"two ranks vs one process: max relative difference {worst:.3e}")
     assert worst <= 1e-5, f"max relative difference {worst:.3e}"
     assert float(np.max(np.abs(a[a.files[1]]))) > 0           # trained: B moved off zero
+    # evaluation is shared out by batches (2 rows each here) and gathered: the same evidence
+    evs = [json.loads(x) for x in (tmp / "two" / "metrics.jsonl").read_text().splitlines()]
+    final = [e for e in evs if e.get("event") == "eval"][-1]
+    for k in ("heldout_loss", "heldout_acc", "preservation_loss", "format_valid"):
+        assert final[k] == pytest.approx(single.final[k], rel=1e-5, abs=1e-7), k
     m = json.loads((tmp / "two" / "adapter" / "vkdsl_manifest.json").read_text())
     assert m["processes"]["ranks"] == 2 and len(m["processes"]["devices"]) == 2
 

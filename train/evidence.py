@@ -42,9 +42,12 @@ class RowScores:
 class Scorer:
     """Per-row sum of next-token log-probs over supervised positions, adapters on or off."""
 
-    def __init__(self, model, pad_id, bucket, max_len, batch, prefix=None):
-        """prefix: train.prefix.FrozenPrefix, shared with training (its rows are reused); None: off."""
+    def __init__(self, model, pad_id, bucket, max_len, batch, prefix=None, group=None):
+        """prefix: train.prefix.FrozenPrefix, shared with training (its rows are reused); None: off.
+        group: train.distributed's process group: the batches are shared out over the ranks and
+        the scores gathered, in row order, on every rank (None: this process scores them all)."""
         self.model, self.pad, self.bucket, self.max_len, self.batch = model, pad_id, bucket, max_len, batch
+        self.group = group
         self.prefix = prefix or FrozenPrefix(model, 0, 0)
         self.fns = {on: self._build(on) for on in (True, False)}
 
@@ -63,8 +66,32 @@ class Scorer:
         return (sc.sums, sc.extra) if extra else sc.sums
 
     def scores(self, rows: list[Example], adapters_on=True, extra=None) -> RowScores:
+        starts = list(range(0, len(rows), self.batch))
+        g = self.group
+        if g is None or g.size == 1:
+            return self._scores(rows, starts, adapters_on, extra)
+        mine = starts[g.rank::g.size]                       # this rank's batches, then everyone's
+        local = self._split(self._scores(rows, mine, adapters_on, extra), [len(rows[s:s + self.batch]) for s in mine])
+        done = {}
+        for part in g.allgather(list(zip(mine, local))):
+            done.update(part)
         out = RowScores([], [], [], [])
-        for s in range(0, len(rows), self.batch):
+        for s in starts:
+            for field, vals in zip(("sums", "greedy", "extra", "extra_greedy"), done[s]):
+                getattr(out, field).extend(vals)
+        return out
+
+    @staticmethod
+    def _split(sc: RowScores, sizes):
+        parts, k = [], 0
+        for n in sizes:
+            parts.append((sc.sums[k:k + n], sc.greedy[k:k + n], sc.extra[k:k + n], sc.extra_greedy[k:k + n]))
+            k += n
+        return parts
+
+    def _scores(self, rows, starts, adapters_on, extra) -> RowScores:
+        out = RowScores([], [], [], [])
+        for s in starts:
             chunk = rows[s:s + self.batch]
             fill = [Example(chunk[0].ids, [IGNORE] * len(chunk[0].ids), "", "")] * (self.batch - len(chunk))
             ids, lab = collate(chunk + fill, self.pad, self.bucket, self.max_len)   # one batch shape: fewer programs

@@ -91,7 +91,8 @@ class Run:
         self.stepper = Stepper(self.model, self.params, cfg, self.prefix, base_cache=cache)
         self.rows_per_step = cfg.batch_size * cfg.grad_accum * self.group.size
         self.sampler = Sampler(self.train, self.rows_per_step, cfg.data_seed)
-        self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix)
+        self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix,
+                                      self.group)
         self.held = Heldout(cfg, self.model, self.ckpt, self.tok, self.pad, self.scorer, self.heldout, self.passages)
         self.init_sum = evidence.checksum([p.numpy() for p in self.params])
         self.step, self.first_loss, self.last_loss = 0, None, None
