@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -48,15 +47,12 @@ class MPIGroup:
         self.MPI, self.comm = MPI, MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.root = self.rank == 0
-        self.reduce_seconds = 0.0
         _abort_on_exception(self)
 
     def allreduce_sum(self, buf: np.ndarray) -> np.ndarray:
         buf = np.ascontiguousarray(buf)
         out = np.empty_like(buf)
-        t = time.perf_counter()
         self.comm.Allreduce(buf, out, op=self.MPI.SUM)
-        self.reduce_seconds += time.perf_counter() - t
         return out
 
     def allgather(self, obj) -> list:

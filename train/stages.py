@@ -103,7 +103,7 @@ def export(r, dpo_ev=None):
              "max_len": cfg.max_len, "truncation_side": cfg.truncation_side,
              "masking": "loss on assistant/completion tokens incl. end-of-turn; prompt and padding = -100",
              "device": f"{dev.name} ({dev.driver} {dev.driver_info})", "vkdsl": vkdsl.__version__,
-             "processes": {"ranks": r.group.size, "devices": getattr(r, "devices", None)
+             "processes": {"ranks": r.group.size, "devices": r.devices
                            or [f"rank 0: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info})"]},
              "final_metrics": r.final, "gates": summary["gates"]}
     save_adapter_bundle(r.model, r.dir, model_path=r.model_path, tokenizer=r.tok, r=cfg.rank, alpha=cfg.alpha,

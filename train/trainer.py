@@ -43,6 +43,7 @@ class Run:
         group: train.distributed's process group (None: one process); a step's global batch is
         batch_size x grad_accum x P rows, the same rows one process would take with that batch."""
         self.group = group or Single()
+        self.devices = None               # under MPI: every rank's device, one line each (the manifest's)
         self.cfg, self.dir, self.r = cfg, Path(run_dir), reporter
         path = cfg.model
         if not path:
