@@ -212,7 +212,8 @@ def spectrum(model, names, top=4):
         A, B = lo.A.numpy().astype(np.float64), lo.B.numpy().astype(np.float64)
         ra, rb = np.linalg.qr(A, mode="r"), np.linalg.qr(B.T, mode="r")
         sv = abs(lo.scale) * np.linalg.svd(ra @ rb.T, compute_uv=False)
-        sv = np.concatenate([sv, np.zeros(max(0, min(top, *A.shape[:1], *B.shape[1:]) - len(sv)))])
+        # past rank r a dense SVD lists zeros: keep them, so top > r reads the same
+        sv = np.concatenate([sv, np.zeros(max(0, min(top, A.shape[0], B.shape[1]) - len(sv)))])
         sr = float((sv ** 2).sum() / sv[0] ** 2) if sv[0] > 0 else 0.0
         out[n] = {"sv": [float(x) for x in sv[:top]], "stable_rank": sr, "fro": float(np.sqrt((sv ** 2).sum()))}
     return out
