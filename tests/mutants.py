@@ -90,6 +90,9 @@ MUTANTS = [
     Mutant("lora_b_starts_nonzero", "ops/lora.py", "vkdsl.tensor(np.zeros((r, d_out), np.float32), requires_grad=True",
            "vkdsl.tensor(np.full((r, d_out), 1e-3, np.float32), requires_grad=True",
            ("tests/test_probes.py", "-k", "init"), "LoRA B initialized away from zero"),
+    Mutant("every_rank_takes_every_batch", "train/step.py", "share = micro if group is None else my_share(micro, group)",
+           "share = micro", ("tests/test_distributed.py", "-k", "single_process"),
+           "under MPI each rank computes all of a step's micro-batches (the all-reduce counts them P times)"),
 ]
 
 

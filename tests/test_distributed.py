@@ -68,6 +68,13 @@ def test_two_ranks_train_the_single_process_adapter(setup):
     print(f"two ranks vs one process: max relative difference {worst:.3e}")
     assert worst <= 1e-5, f"max relative difference {worst:.3e}"
     assert float(np.max(np.abs(a[a.files[1]]))) > 0           # trained: B moved off zero
+    # the same objective each step (AdamW and clipping would hide a gradient counted twice; the loss does not)
+    steps = {d: [e for e in map(json.loads, (tmp / d / "metrics.jsonl").read_text().splitlines())
+                 if e.get("event") == "step"] for d in ("one", "two")}
+    assert len(steps["one"]) == len(steps["two"]) == 4
+    for a_, b_ in zip(steps["one"], steps["two"]):
+        assert b_["loss"] == pytest.approx(a_["loss"], rel=1e-6) and b_["grad_norm"] == pytest.approx(a_["grad_norm"],
+                                                                                                     rel=1e-5)
     # evaluation is shared out by batches (2 rows each here) and gathered: the same evidence
     evs = [json.loads(x) for x in (tmp / "two" / "metrics.jsonl").read_text().splitlines()]
     final = [e for e in evs if e.get("event") == "eval"][-1]
