@@ -77,6 +77,8 @@ def _ranks(g, cfg, out):
     device printed by rank 0, and where this rank writes: rank 0 the run folder, the others a
     private scratch folder (only rank 0 writes checkpoints, adapters, manifest and report)."""
     from vkdsl.train import distributed
+    out = cfg.out = g.bcast(out)             # rank 0's folder (a default one is named by its clock)
+    distributed.same_settings(g, cfg.dumps())
     distributed.pick_device(g)
     dev = open_device(None, announce=False).info
     mine = f"rank {g.rank}: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info})"
@@ -130,7 +132,11 @@ def _main(config_path, resume, distributed="auto", **values):
         if os.environ.get("VKDSL_DEBUG") == "1":
             raise
         msg = e.format_message() if isinstance(e, click.ClickException) else user_error_line(e)
-        click.echo(f"vkdsl-train: error: {msg}", err=True)
+        from vkdsl.train.distributed import parallel, stop_job
+        g = parallel()
+        rank = f" on rank {g.rank} of {g.size} (ending the job)" if g else ""
+        click.echo(f"vkdsl-train: error{rank}: {msg}", err=True)
+        stop_job(1)
         code = 1
     sys.exit(code)
 

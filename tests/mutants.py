@@ -93,6 +93,12 @@ MUTANTS = [
     Mutant("every_rank_takes_every_batch", "train/step.py", "share = micro if group is None else my_share(micro, group)",
            "share = micro", ("tests/test_distributed.py", "-k", "single_process"),
            "under MPI each rank computes all of a step's micro-batches (the all-reduce counts them P times)"),
+    Mutant("dpo_ranks_take_the_same_pairs", "train/dpo.py", "mine = my_share(idx, g)", "mine = idx[:cfg[\"dpo_batch\"]]",
+           ("tests/test_distributed.py", "-k", "dpo"), "under MPI every rank trains DPO on the first pairs of the global batch"),
+    Mutant("rank_reads_its_own_cache", "train/trainer.py",
+           "self.base = self.group.bcast(_cached_base(cache, key) if self.group.root else None)",
+           "self.base = _cached_base(cache, key)", ("tests/test_distributed.py", "-k", "resume"),
+           "on resume each rank looks for the base evaluation in its own folder (only rank 0's has it)"),
 ]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -31,6 +32,9 @@ class Single:
 
     def allgather(self, obj) -> list:
         return [obj]
+
+    def bcast(self, obj):
+        return obj
 
     def barrier(self):
         pass
@@ -57,6 +61,10 @@ class MPIGroup:
 
     def allgather(self, obj) -> list:
         return self.comm.allgather(obj)
+
+    def bcast(self, obj):
+        """Rank 0's obj on every rank (what rank 0 alone can read: the run folder's caches)."""
+        return self.comm.bcast(obj, root=0)
 
     def barrier(self):
         self.comm.Barrier()
@@ -85,6 +93,20 @@ def ring_bytes(nbytes: int, size: int) -> float:
     return 2.0 * (size - 1) / size * nbytes
 
 
+def sum_over_ranks(g, arrays: list, scalars: list) -> tuple[list, list, dict]:
+    """Sum arrays (a step's gradients) and scalars (its loss sums) over the ranks in one all-reduce
+    of one flat fp32 buffer -> (arrays, scalars, {allreduce_s, ring_bytes})."""
+    flat = np.concatenate([np.asarray(a, np.float32).ravel() for a in arrays] + [np.asarray(scalars, np.float32)])
+    t = time.perf_counter()
+    flat = g.allreduce_sum(flat)
+    info = {"allreduce_s": time.perf_counter() - t, "ring_bytes": ring_bytes(flat.nbytes, g.size)}
+    out, k = [], 0
+    for a in arrays:
+        out.append(flat[k:k + a.size].reshape(a.shape))
+        k += a.size
+    return out, [float(x) for x in flat[k:]], info
+
+
 def my_share(items: list, g) -> list:
     """Rank r's items of a step: r, r + P, r + 2P, ... (every item exactly once over the ranks)."""
     return items[g.rank::g.size]
@@ -97,6 +119,30 @@ def check_replicas(g, checksum: str, step: int):
         bad = [r for r, s in enumerate(sums) if s != sums[0]]
         raise DistributedError(f"after step {step} the adapter replicas differ: rank(s) {bad} hold "
                                f"{sums[bad[0]]}, rank 0 holds {sums[0]}")
+
+
+def same_settings(g, settings: str):
+    """Every rank must run the same job: a rank given other settings is named before any work."""
+    import hashlib
+    mine = hashlib.sha256(settings.encode()).hexdigest()[:16]
+    sums = g.allgather(mine)
+    bad = [r for r, s in enumerate(sums) if s != sums[0]]
+    if bad:
+        raise DistributedError(f"rank(s) {bad} were started with other settings than rank 0 (every rank of one "
+                               f"job needs the same command line and config)")
+
+
+def parallel():
+    """The MPI group when this process is one rank of several, else None."""
+    return _WORLD[0] if _WORLD and _WORLD[0].size > 1 else None
+
+
+def stop_job(code: int):
+    """This rank stopped on an error it has reported: end the whole job (the other ranks would
+    wait in a collective for it); one process simply returns."""
+    if parallel():
+        sys.stderr.flush()
+        parallel().comm.Abort(code)
 
 
 def pick_device(g):

@@ -24,6 +24,7 @@ from vkdsl.ops import losses
 
 from . import checkpoint
 from .data import IGNORE, DataError, Example, collate, encode_row, read_jsonl
+from .distributed import Single, my_share, sum_over_ranks
 from .evidence import Scorer
 from .prefix import FrozenPrefix
 from .step import HostAdamW, clip, head_rows, select, selected_hidden
@@ -114,21 +115,31 @@ def cache_key(base_sha: str, tok_hash: str, template_hash: str, pairs, reference
     return h.hexdigest()
 
 
-def cached_reference(path: Path, key: str, compute, say=lambda s: None):
+def cached_reference(path: Path, key: str, compute, say=lambda s: None, group=None):
     """The cached reference log-probs when their hashes match; a cache made for other inputs (or
-    unreadable) is never used: it is said, recomputed and replaced."""
+    unreadable) is never used: it is said, recomputed and replaced. group: rank 0 alone reads and
+    writes the cache, and every rank takes its answer (computing is collective)."""
+    g = group or Single()
+    hit = g.bcast(_read_reference(path, key, say) if g.root else None)
+    if hit is not None:
+        return np.array(hit[0]), np.array(hit[1])
+    rc, rr = compute()
+    if g.root:
+        checkpoint.atomic_write(path, json.dumps({"key": key, "chosen": rc.tolist(), "rejected": rr.tolist()}).encode())
+    return rc, rr
+
+
+def _read_reference(path: Path, key: str, say):
     if path.is_file():
         try:
             obj = json.loads(path.read_text())
         except (OSError, ValueError):
             obj = {}
         if isinstance(obj, dict) and obj.get("key") == key:
-            return np.array(obj["chosen"]), np.array(obj["rejected"])
+            return obj["chosen"], obj["rejected"]
         say(f"{path.name}: the cached DPO reference was computed for other inputs (base, tokenizer, template, "
             f"masks or reference adapter differ, or the file is damaged): recomputed")
-    rc, rr = compute()
-    checkpoint.atomic_write(path, json.dumps({"key": key, "chosen": rc.tolist(), "rejected": rr.tolist()}).encode())
-    return rc, rr
+    return None
 
 
 def dpo_evidence(scorer, pairs, rc, rr) -> dict:
@@ -160,13 +171,18 @@ def margin_story(ev: dict) -> str:
 
 
 def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event, reference: str,
-              hashes: dict, prefix=None):
+              hashes: dict, prefix=None, group=None):
     """reference: 'base' (adapter off), 'sft' (the adapter as it stands now, frozen), 'none'.
     cfg needs: dpo_beta, dpo_lr, dpo_steps, dpo_batch, dpo_nll_weight, pad/bucket/max_len, clip,
-    betas, eps, weight_decay. prefix: train.prefix.FrozenPrefix. Returns (history, final evidence dict)."""
+    betas, eps, weight_decay. prefix: train.prefix.FrozenPrefix. Returns (history, final evidence dict).
+    group (train.distributed): a step's global batch is dpo_batch x P pairs, drawn as one process
+    would draw them; each rank computes dpo_batch of them and one all-reduce sums the gradients
+    (and losses), so the objective is the single-process one. Reference log-probs and evidence are
+    scored in shards and gathered."""
+    g = group or Single()
     prefix = prefix or FrozenPrefix(model, 0, 0)
     scorer = Scorer(model, cfg["pad_id"], cfg["bucket"], cfg["max_len"], cfg.get("eval_batch", cfg["dpo_batch"]),
-                    prefix)
+                    prefix, g)
     if reference == "none":
         rc = rr = np.zeros(len(pairs))
         hc = hr = np.zeros(len(heldout))
@@ -176,7 +192,7 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
         key = cache_key(hashes["base"], hashes["tokenizer"], hashes["template"], pairs + heldout, reference, adapter_sum)
         t0 = time.perf_counter()
         both = cached_reference(run_dir / "dpo_reference.json", key,
-                                lambda: reference_logps(scorer, pairs + heldout, on), say)
+                                lambda: reference_logps(scorer, pairs + heldout, on), say, g)
         say(f"DPO reference log-probs of {len(pairs) + len(heldout)} pairs in {time.perf_counter() - t0:.1f}s")
         rc, rr = both[0][:len(pairs)], both[1][:len(pairs)]
         hc, hr = both[0][len(pairs):], both[1][len(pairs):]
@@ -184,32 +200,38 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
     opt = HostAdamW([p.shape for p in params], cfg["betas"], cfg["eps"], cfg["weight_decay"])
     rng = np.random.default_rng(cfg.get("seed", 0))
     order, history = [], []
-    B = cfg["dpo_batch"]
+    G = cfg["dpo_batch"] * g.size                          # the global batch
     for step in range(1, cfg["dpo_steps"] + 1):
         t0 = time.perf_counter()
-        if len(order) < B:
+        if len(order) < G:
             order += list(rng.permutation(len(pairs)))
-        idx, order = order[:B], order[B:]
-        batch = [pairs[i] for i in idx]
+        idx, order = order[:G], order[G:]
+        mine = my_share(idx, g)
+        batch = [pairs[i] for i in mine]
         ic, pc_, lc, sc = _pack([p.chosen for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"], prefix)
         ir, pr_, lr_, sr = _pack([p.rejected for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"], prefix)
-        ref = (rc[idx] - rr[idx]).astype(np.float32)
-        n_c = max(int((lc != IGNORE).sum()), 1)
-        out = step_fn(ic, pc_, lc, sc, ir, pr_, lr_, sr, ref, np.array([1.0 / n_c], np.float32))
-        loss = float(out[0])
+        ref = (rc[mine] - rr[mine]).astype(np.float32)
+        # the NLL term's normalizer counts the whole global batch's chosen tokens; the traced mean
+        # is over this rank's pairs, so every term is scaled by P here and divided by P after the sum
+        n_c = max(sum(int(np.sum(np.asarray(pairs[i].chosen.labels) != IGNORE)) for i in idx), 1)
+        out = step_fn(ic, pc_, lc, sc, ir, pr_, lr_, sr, ref, np.array([g.size / n_c], np.float32))
+        loss, grads, extra = float(out[0]), [np.asarray(x, np.float32) for x in out[3:]], {}
+        if g.size > 1:
+            grads, (loss,), extra = sum_over_ranks(g, grads, [loss])
+            grads, loss = [x / g.size for x in grads], loss / g.size
         if not math.isfinite(loss):
             raise FloatingPointError(f"DPO step {step}: loss is {loss}; stopping (the last checkpoint is kept)")
         if step == 1 and reference != "none":
             say(f"DPO step 1 loss {loss:.6f}; policy == reference gives ln 2 = {LN2:.6f} "
                 f"(difference {loss - LN2:+.2e})")
-        gs, norm = clip([np.asarray(g, np.float32) for g in out[3:]], cfg["clip"])
+        gs, norm = clip(grads, cfg["clip"])
         frac = (step - 1) / max(cfg["dpo_steps"] - 1, 1)
         lr = cfg["dpo_lr"] * 0.5 * (1 + math.cos(math.pi * frac))
         new = opt.update([p.numpy() for p in params], gs, lr)
         for p, a in zip(params, new):
             p.assign(vkdsl.tensor(a))
         rec = {"step": step, "stage": "dpo", "dpo_loss": loss, "grad_norm": norm, "lr": lr,
-               "time": time.perf_counter() - t0}
+               "time": time.perf_counter() - t0, **extra}
         history.append(rec)
         event("dpo_step", **rec)
         say(f"dpo step {step}/{cfg['dpo_steps']} loss {loss:.4f} |g| {norm:.3g}  {rec['time']:.1f}s")

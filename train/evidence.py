@@ -299,7 +299,7 @@ def dpo_gates(ev, cfg, base_acc=None):
 
 def table(ev) -> str:
     L = [f"evidence at step {ev['step']}:",
-         f"  train loss (last step)       " + ("-" if ev["train_loss"] is None else f"{ev['train_loss']:.4f}"),
+         "  train loss (last step)       " + ("-" if ev["train_loss"] is None else f"{ev['train_loss']:.4f}"),
          f"  held-out loss                {ev['heldout_loss']:.4f}  (base {ev['heldout_loss_base']:.4f})"]
     if ev.get("heldout_acc") is not None:
         lo, hi = ev["heldout_acc_ci"]

@@ -41,7 +41,7 @@ def dpo_stage(r):
             f.write(json.dumps({"event": kind, **rec, "step": cfg.steps + rec.get("step", 0)}) + "\n")
     t0 = time.perf_counter()
     history, ev = dpo.train_dpo(r.model, r.params, r.tok, dcfg, pairs, held, r.dir, rep.say, event, reference, hashes,
-                                  r.prefix)
+                                  r.prefix, r.group)
     r.dpo_history = history
     after = r.held.scores(adapters_on=True)          # every surface again, after DPO (one scoring pass)
     surf = r.held.surfaces(after, adapters_on=True)

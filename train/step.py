@@ -11,7 +11,6 @@ the few LoRA tensors; the new values are written back into the same device buffe
 from __future__ import annotations
 
 import hashlib
-import time
 
 import numpy as np
 
@@ -19,7 +18,7 @@ import vkdsl
 from vkdsl.autograd import grad, rowwise
 from vkdsl.ops import losses
 
-from .distributed import my_share, ring_bytes
+from .distributed import my_share, sum_over_ranks
 from .packing import Packing
 from .prefix import FrozenPrefix
 
@@ -267,20 +266,13 @@ class Stepper:
                 count["computed"] += cr["computed"]
             extra["rehearsal_loss"] = ce_r / n_r
         if group is not None and group.size > 1:
-            flat = np.concatenate([g.ravel() for g in gs] + [np.array([ce, kl, extra.get("rehearsal_loss", 0.0)],
-                                                                      np.float32)])
-            t = time.perf_counter()
-            flat = group.allreduce_sum(flat.astype(np.float32))
-            extra["allreduce_s"] = time.perf_counter() - t
-            extra["ring_bytes"] = ring_bytes(flat.nbytes, group.size)
-            gs, k = [], 0
-            for p in self.params:
-                n = int(np.prod(p.shape))
-                gs.append(flat[k:k + n].reshape(p.shape))
-                k += n
-            ce, kl = float(flat[k]), float(flat[k + 1])
+            counted = ("computed", "micro", "packed")        # every rank's, not only this one's
+            gs, (ce, kl, ce_r, *n), info = sum_over_ranks(
+                group, gs, [ce, kl, extra.get("rehearsal_loss", 0.0)] + [count[k] for k in counted])
+            extra.update(info)
+            count.update({k: int(v) for k, v in zip(counted, n)})
             if "rehearsal_loss" in extra:
-                extra["rehearsal_loss"] = float(flat[k + 2])
+                extra["rehearsal_loss"] = ce_r
         raw = gs
         gs, norm = clip(gs, self.cfg.clip)
         cur = [p.numpy() for p in self.params]

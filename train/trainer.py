@@ -159,7 +159,8 @@ class Run:
             self.r.say("labels are single tokens after the prompt: each held-out row is scored once, "
                        "comparing the label tokens' log-probs at the answer position")
         key, cache = self._base_key(), self.dir / BASE_EVAL
-        self.base = _cached_base(cache, key)
+        # only rank 0 writes (and reads) the run folder: every rank must take the same branch
+        self.base = self.group.bcast(_cached_base(cache, key) if self.group.root else None)
         if self.base is not None:
             self.r.say(f"base evaluation reused from {cache.name} (same base, tokenizer, data and settings)")
         else:
