@@ -255,8 +255,10 @@ class Run:
         for _ in range(meta["step"]):
             replay.next()
         if json.dumps(replay.state(), sort_keys=True) != json.dumps(meta["sampler"], sort_keys=True):
-            raise checkpoint.CheckpointError(f"{path}: its data-order state is not the one of step {meta['step']} "
-                                             f"with data_seed {self.cfg.data_seed} over this training file")
+            raise checkpoint.CheckpointError(
+                f"{path}: its data-order state is not the one of step {meta['step']} with data_seed "
+                f"{self.cfg.data_seed}, {self.rows_per_step} rows per step (batch_size x grad_accum x processes) "
+                f"over this training file")
         import vkdsl
         for p, a in zip(self.params, params):
             p.assign(vkdsl.tensor(a))
