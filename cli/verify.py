@@ -52,17 +52,54 @@ def verify(device, as_json, match, root):
 @click.command("compile")
 @device_option
 @click.option("--bundle", "bundle", required=True, type=click.Path(file_okay=False),
-              help="folder to write every built-in kernel's SPIR-V to")
-def compile_(device, bundle):
+              help="folder to write every built-in kernel's SPIR-V to (kernels already there are kept)")
+@click.option("--for", "jobs", multiple=True, metavar='"COMMAND"',
+              help='also every kernel this vkdsl or vkdsl-train command line uses: it runs once, for real, '
+                   'recording what it compiles (repeatable), e.g. --for "vkdsl-train --config job.toml"')
+def compile_(device, bundle, jobs):
     """Write a SPIR-V bundle; run elsewhere with VKDSL_SPIRV_BUNDLE=DIR and no shader compiler."""
     dev = open_device(device)
     from vkdsl import compiler, matmul, ops
+    commands = [_job_command(j) for j in jobs]          # a malformed --for fails before any work
     run_verify(repeat_warm=False)          # every generated kernel the verify suite builds
     _demo(quiet=True)
     for library in (matmul, ops):          # each library names its own hand-written variants
         library.builtin_variants(dev)
-    n = compiler.write_bundle(bundle, dict(compiler.compiled_this_process))
-    click.echo(f"wrote {n} kernels to {bundle}; use it with VKDSL_SPIRV_BUNDLE={bundle}")
+    i = dev.info
+    n = compiler.write_bundle(bundle, dict(compiler.compiled_this_process),
+                              {"device": f"{i.name} ({i.driver} {i.driver_info})"})
+    click.echo(f"wrote {n} built-in kernels to {bundle}")
+    for job, cmd in zip(jobs, commands):
+        n = _record(bundle, job, cmd)
+        click.echo(f"recorded {job!r}: the bundle holds {n} kernels")
+    click.echo(f"use it with VKDSL_SPIRV_BUNDLE={bundle}")
+
+
+def _job_command(job: str) -> list[str]:
+    import shlex
+    try:
+        argv = shlex.split(job)
+    except ValueError as e:
+        raise click.BadParameter(f"{job!r}: {e}", param_hint="--for") from None
+    if not argv or argv[0] not in ("vkdsl", "vkdsl-train") or argv[1:2] == ["compile"]:
+        raise click.BadParameter(f"{job!r}: expected a vkdsl or vkdsl-train command line (not vkdsl compile)",
+                                 param_hint="--for")
+    return [sys.executable, "-m", "vkdsl.cli"] + (["train"] if argv[0] == "vkdsl-train" else []) + argv[1:]
+
+
+def _record(bundle, job, cmd) -> int:
+    """Run one job with $VKDSL_SPIRV_RECORD=bundle; a vkdsl-train whose gates fail (exit 2) still counts."""
+    import os
+    import subprocess
+    from vkdsl.compiler import bundle as B
+    env = {k: v for k, v in os.environ.items() if k != "VKDSL_SPIRV_BUNDLE"}
+    env["VKDSL_SPIRV_RECORD"] = os.path.abspath(bundle)
+    click.echo(f"recording {job!r} (it runs once)")
+    code = subprocess.run(cmd, env=env).returncode
+    if code not in ((0, 2) if cmd[3:4] == ["train"] else (0,)):
+        raise click.ClickException(f"--for {job!r} exited {code}; the bundle keeps the kernels it used before "
+                                   f"failing, and does not list the job")
+    return B.add(bundle, {}, {"jobs": [job]})
 
 
 def _demo(quiet=False):

@@ -1,23 +1,23 @@
 """GLSL -> SPIR-V: preprocess (defines, includes), then bundle -> disk cache -> compiler.
 
-A SPIR-V bundle (`vkdsl compile --bundle DIR`, used with $VKDSL_SPIRV_BUNDLE=DIR) lets vkdsl
-run on a machine with no shader compiler: kernels are looked up by a hash of their expanded
-source, which does not depend on the compiler that built them."""
+A SPIR-V bundle (vkdsl.compiler.bundle: `vkdsl compile --bundle DIR [--for COMMAND]`, used with
+$VKDSL_SPIRV_BUNDLE=DIR) lets vkdsl run on a machine with no shader compiler: kernels are looked
+up by a hash of their expanded source, which does not depend on the compiler that built them.
+$VKDSL_SPIRV_RECORD=DIR adds every kernel a process uses to the bundle DIR."""
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
+import shlex
+import sys
 
-from . import cache
+from . import bundle, cache
 from .backends import find_backend
 from .errors import CompileError, NoCompiler
 
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels")
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
 _backend = ...           # resolved lazily; None when no compiler exists
-_bundle_cache = {}
 _memo: dict[tuple, bytes] = {}   # (source, defines, bundle) -> SPIR-V: re-recording re-reads no disk
 compiled_this_process: dict[str, tuple[str, str]] = {}   # source key -> (name, expanded source)
 
@@ -61,27 +61,6 @@ def backend():
     return _backend
 
 
-def _bundle_lookup(k: str) -> bytes | None:
-    root = os.environ.get("VKDSL_SPIRV_BUNDLE")
-    if not root:
-        return None
-    if root not in _bundle_cache:
-        try:
-            with open(os.path.join(root, "index.json")) as f:
-                _bundle_cache[root] = json.load(f)["kernels"]
-        except (OSError, ValueError, KeyError) as e:
-            raise NoCompiler(f"SPIR-V bundle {root}: cannot read index.json ({e})") from None
-    entry = _bundle_cache[root].get(k)
-    if entry is None:
-        return None
-    path = os.path.join(root, entry["file"])
-    with open(path, "rb") as f:
-        blob = f.read()
-    if hashlib.sha256(blob).hexdigest() != entry["sha256"] or not cache.valid_spirv(blob):
-        raise NoCompiler(f"SPIR-V bundle file {path} does not match its sha256 in index.json; rebuild the bundle")
-    return blob
-
-
 def compile_glsl(name: str, source: str, defines: dict | None = None) -> bytes:
     """SPIR-V for a GLSL source with defines: from memory, the bundle, the disk cache or the compiler."""
     mkey = (source, tuple(sorted((defines or {}).items())), os.environ.get("VKDSL_SPIRV_BUNDLE"))
@@ -94,15 +73,26 @@ def _compile(name: str, source: str, defines: dict | None) -> bytes:
     src = expand(source, defines)
     skey = cache.key(src, "target=" + "vulkan1.2")
     compiled_this_process[skey] = (name, src)
-    blob = _bundle_lookup(skey)
+    blob = _from_bundle_or_compiler(name, src, skey)
+    record = os.environ.get("VKDSL_SPIRV_RECORD")
+    if record:                            # every kernel this process uses goes into that bundle
+        bundle.add(record, {skey: (name, blob)}, {"vkdsl": _version()})
+    return blob
+
+
+def _from_bundle_or_compiler(name: str, src: str, skey: str) -> bytes:
+    where = os.environ.get("VKDSL_SPIRV_BUNDLE")
+    blob = bundle.lookup(where, skey) if where else None
     if blob is not None:
         return blob
     be = backend()
     if be is None:
-        where = os.environ.get("VKDSL_SPIRV_BUNDLE")
+        if where:
+            raise NoCompiler(f"kernel '{name}' is not in SPIR-V bundle {where} ({bundle.describe(where)}) and this "
+                             f"machine has no shader compiler; on a machine with one (and the same kind of device) "
+                             f"add this job to the bundle: vkdsl compile --bundle {where} --for {_this_command()!r}")
         raise NoCompiler(f"kernel '{name}' needs compiling, but no shader compiler is available (glslc, "
-                         f"glslangValidator or libshaderc)" + (f" and bundle {where} does not hold it" if where
-                                                                else "; set VKDSL_SPIRV_BUNDLE to a bundle"))
+                         f"glslangValidator or libshaderc); set VKDSL_SPIRV_BUNDLE to a bundle")
     k = cache.key(src, be.identity, "O=perf", "target=vulkan1.2")
     blob = cache.load(k)
     if blob is None:
@@ -113,15 +103,17 @@ def _compile(name: str, source: str, defines: dict | None) -> bytes:
     return blob
 
 
-def write_bundle(root: str, entries: dict[str, tuple[str, str]]) -> int:
-    """Compile each (name, expanded source) and write DIR/<key>.spv plus DIR/index.json."""
-    os.makedirs(root, exist_ok=True)
-    index = {}
-    for skey, (name, src) in sorted(entries.items()):
-        blob = compile_glsl(name, src)
-        fname = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}-{skey[:12]}.spv"
-        cache.atomic_write(os.path.join(root, fname), blob)
-        index[skey] = {"name": name, "file": fname, "sha256": hashlib.sha256(blob).hexdigest()}
-    cache.atomic_write(os.path.join(root, "index.json"),
-                       json.dumps({"format": 1, "kernels": index}, indent=1).encode())
-    return len(index)
+def _this_command() -> str:
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "vkdsl"
+    return shlex.join([prog if prog.startswith("vkdsl") else "vkdsl"] + sys.argv[1:])
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__
+
+
+def write_bundle(root: str, entries: dict[str, tuple[str, str]], built: dict | None = None) -> int:
+    """Compile each (name, expanded source) into bundle root (vkdsl.compiler.bundle) -> kernels it holds."""
+    return bundle.add(root, {k: (name, compile_glsl(name, src)) for k, (name, src) in entries.items()},
+                      {"vkdsl": _version(), **(built or {})})

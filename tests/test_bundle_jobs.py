@@ -1,0 +1,90 @@
+"""Embedded and offline: `vkdsl compile --bundle DIR --for COMMAND` records every kernel a job uses
+(the fused kernels tracing generates for its shapes included), and the job then runs from the
+bundle on a machine with no shader compiler, with the same result bit for bit; a job the bundle
+was not built for stops with one line naming the kernel and the command that adds it."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fixtures.train_data import tiny_setup
+from test_cli import run
+
+TRAIN = str(Path(sys.executable).parent / "vkdsl-train")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bundle-job")
+    tm, tr, he, pr = tiny_setup(tmp)
+    train = ["vkdsl-train", "--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he,
+             "--preservation-file", pr, "--labels", "low,medium,high", "--max-len", "64", "--bucket", "16",
+             "--rank", "4", "--steps", "2", "--warmup", "1", "--batch-size", "4", "--eval-batch", "4",
+             "--quiet"]
+    gen = ["vkdsl", "generate", "--model", str(tm.gguf_path), "--prompt", "the dog", "--max-new-tokens", "6"]
+    bundle = tmp / "bundle"
+    import shlex
+    out = run(["compile", "--bundle", str(bundle), "--for", shlex.join(train + ["--out", str(tmp / "with")]),
+               "--for", shlex.join(gen)], timeout=900).stdout
+    assert "recorded" in out, out
+    return tmp, bundle, train, gen
+
+
+def _offline(tmp, bundle):
+    """No compiler anywhere: none forced, none on PATH, an empty SPIR-V cache."""
+    return dict(os.environ, VKDSL_COMPILER="none", VKDSL_SPIRV_BUNDLE=str(bundle),
+                VKDSL_CACHE_DIR=str(tmp / "empty-cache"), PATH=os.path.dirname(sys.executable))
+
+
+def test_the_bundle_names_what_it_was_built_for(job):
+    tmp, bundle, train, gen = job
+    index = json.loads((bundle / "index.json").read_text())
+    built = index["built"]
+    assert built["vkdsl"] and "llvmpipe" in built["device"] and len(built["jobs"]) == 2
+    for entry in index["kernels"].values():                 # every file named is there and whole
+        assert (bundle / entry["file"]).stat().st_size > 20
+    names = {e["name"] for e in index["kernels"].values()}
+    assert any(n.startswith("reduce_") for n in names)        # shape-specialized kernels tracing generated
+
+
+def test_a_recorded_training_job_runs_from_the_bundle_identically(job):
+    tmp, bundle, train, gen = job
+    import subprocess
+    p = subprocess.run([TRAIN, *train[1:], "--out", str(tmp / "without")], capture_output=True, text=True,
+                       env=_offline(tmp, bundle), timeout=600)
+    assert p.returncode in (0, 2), p.stderr[-3000:]        # 2: a gate of the tiny run failed, not the run
+    a, b = np.load(tmp / "with" / "adapter.npz"), np.load(tmp / "without" / "adapter.npz")
+    assert sorted(a.files) == sorted(b.files)
+    for k in a.files:
+        assert np.array_equal(a[k], b[k]), k                # the same SPIR-V on the same device: bit for bit
+    assert (tmp / "without" / "adapter" / "adapter_model.safetensors").is_file()
+    assert not (tmp / "empty-cache").exists() or not any((tmp / "empty-cache").iterdir())
+
+
+def test_generate_and_verify_run_from_the_bundle(job):
+    tmp, bundle, train, gen = job
+    online = run(gen[1:]).stdout
+    offline = run(gen[1:], env=_offline(tmp, bundle)).stdout
+    assert offline == online and offline.strip()
+    p = run(["verify"], env=_offline(tmp, bundle))
+    assert " FAIL" not in p.stdout and "pass" in p.stdout.lower()
+
+
+def test_a_job_the_bundle_was_not_built_for_is_one_line_naming_the_fix(job):
+    tmp, bundle, train, gen = job
+    import subprocess
+    other = [TRAIN, *train[1:], "--max-len", "48", "--batch-size", "2", "--out", str(tmp / "other")]
+    p = subprocess.run(other, capture_output=True, text=True, env=_offline(tmp, bundle), timeout=600)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith("vkdsl-train: error: kernel '") and f"is not in SPIR-V bundle {bundle}" in line, line
+    assert f"vkdsl compile --bundle {bundle} --for 'vkdsl-train " in line and "--max-len 48" in line, line
+
+
+def test_a_malformed_for_is_refused_before_any_work(tmp_path):
+    p = run(["compile", "--bundle", str(tmp_path / "b"), "--for", "python -c 1"], check=False)
+    assert p.returncode != 0 and "expected a vkdsl or vkdsl-train command line" in p.stderr
+    assert not (tmp_path / "b").exists()

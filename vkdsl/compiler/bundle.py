@@ -1,0 +1,103 @@
+"""SPIR-V bundles: a folder of compiled kernels that lets vkdsl run where no shader compiler is.
+
+DIR/index.json maps each kernel's source key (sha256 of its expanded GLSL, which does not depend on
+the compiler) to DIR/<name>-<key>.spv and its sha256, and says what the bundle was built for: the
+vkdsl version, the device and the jobs recorded into it. Generated kernels have their shapes baked
+in, so a job's kernels depend on its model, batch sizes and data lengths: a bundle holds the
+built-in kernels plus whatever the recorded jobs compiled ($VKDSL_SPIRV_RECORD=DIR, or `vkdsl
+compile --bundle DIR --for "COMMAND"`). Every write is a whole file moved into place (the .spv
+before the index that names it), under a lock, so a killed recording leaves a valid bundle and
+several ranks may record into one folder."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+
+from ..fileio import atomic_write
+from .errors import NoCompiler
+
+INDEX = "index.json"
+_read: dict[str, dict] = {}          # bundle folder -> its index (read once per process)
+
+
+def _spirv_ok(blob: bytes) -> bool:
+    return len(blob) >= 20 and len(blob) % 4 == 0 and blob[:4] == b"\x03\x02\x23\x07"
+
+
+def read_index(root: str) -> dict:
+    """The bundle's index: {"format", "kernels": {key: {name, file, sha256}}, "built": {...}}."""
+    try:
+        with open(os.path.join(root, INDEX)) as f:
+            index = json.load(f)
+        if not isinstance(index.get("kernels"), dict):
+            raise ValueError("no 'kernels' object")
+    except (OSError, ValueError, AttributeError) as e:
+        raise NoCompiler(f"SPIR-V bundle {root}: cannot read {INDEX} ({e})") from None
+    return index
+
+
+def lookup(root: str, key: str) -> bytes | None:
+    """A kernel's SPIR-V from the bundle, None when the bundle does not hold it."""
+    if root not in _read:
+        _read[root] = read_index(root)
+    entry = _read[root]["kernels"].get(key)
+    if entry is None:
+        return None
+    path = os.path.join(root, entry["file"])
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except OSError as e:
+        raise NoCompiler(f"SPIR-V bundle {root}: {entry['file']} is named in {INDEX} but cannot be read ({e})") from None
+    if hashlib.sha256(blob).hexdigest() != entry["sha256"] or not _spirv_ok(blob):
+        raise NoCompiler(f"SPIR-V bundle file {path} does not match its sha256 in {INDEX}; rebuild the bundle")
+    return blob
+
+
+def describe(root: str) -> str:
+    """What the bundle was built for, in one clause (for the missing-kernel error)."""
+    built = _read.get(root, {}).get("built") or {}
+    jobs = built.get("jobs") or []
+    return (f"built by vkdsl {built.get('vkdsl', '?')} on {built.get('device', 'an unrecorded device')}"
+            + (f" for {'; '.join(repr(j) for j in jobs)}" if jobs else " with the built-in kernels only"))
+
+
+@contextlib.contextmanager
+def _locked(root: str):
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _current(root: str) -> dict:
+    if not os.path.exists(os.path.join(root, INDEX)):
+        return {"format": 1, "kernels": {}, "built": {}}
+    return read_index(root)
+
+
+def add(root: str, kernels: dict[str, tuple[str, bytes]], built: dict | None = None) -> int:
+    """Put kernels {key: (name, spirv)} into the bundle (merging with what it holds) and update
+    what it was built for: built's "jobs" are appended, its other fields replace. -> kernels held."""
+    with _locked(root):
+        index = _current(root)
+        for key, (name, blob) in sorted(kernels.items()):
+            if key in index["kernels"]:
+                continue
+            fname = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}-{key[:12]}.spv"
+            atomic_write(os.path.join(root, fname), blob)
+            index["kernels"][key] = {"name": name, "file": fname, "sha256": hashlib.sha256(blob).hexdigest()}
+        if built:
+            old = index.setdefault("built", {})
+            jobs = old.get("jobs", []) + [j for j in built.get("jobs", []) if j not in old.get("jobs", [])]
+            old.update({k: v for k, v in built.items() if k != "jobs"}, jobs=jobs)
+        atomic_write(os.path.join(root, INDEX), json.dumps(index, indent=1, sort_keys=True).encode())
+        _read.pop(root, None)
+        return len(index["kernels"])
