@@ -3,7 +3,7 @@ from .runtime import list_devices, open_device
 from .tensor import ShapeError, Tensor
 from .trace import trace
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401
 
 
 def tensor(a, requires_grad=False, name=None) -> Tensor:

@@ -109,7 +109,7 @@ def _this_command() -> str:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..version import __version__
     return __version__
 
 
