@@ -5,6 +5,7 @@ import click
 
 from . import bench as _bench
 from . import devices as _devices
+from . import doctor as _doctor
 from . import models as _models
 from . import probe as _probe
 from . import train as _train
@@ -19,6 +20,7 @@ def main():
 
 
 main.add_command(_devices.devices)
+main.add_command(_doctor.doctor)
 for _cmd in (_verify.verify, _verify.compile_, _verify.demo):
     main.add_command(_cmd)
 main.add_command(_bench.bench)

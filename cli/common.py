@@ -33,8 +33,28 @@ class Commands(click.Group):
 
 
 def device_option(f):
+    """--device, and --profile (a capability profile: the device as if narrower, runtime.profiles)."""
+    f = profile_option(f)
     return click.option("--device", "device", default=None, metavar="D",
                         help="device index or name substring (default: $VKDSL_DEVICE, else the best present)")(f)
+
+
+def _set_profile(ctx, param, value):
+    if value is not None:
+        from vkdsl.runtime.profiles import ProfileError, named
+        try:
+            named(value)
+        except ProfileError as e:
+            raise click.BadParameter(str(e), ctx, param) from None
+        os.environ["VKDSL_PROFILE"] = value            # read when the device is opened
+    return value
+
+
+def profile_option(f):
+    from vkdsl.runtime.profiles import PROFILES
+    return click.option("--profile", default=None, metavar="NAME", expose_value=False, callback=_set_profile,
+                        help=f"behave as a device of this class would: {', '.join(PROFILES)} "
+                             f"(default: $VKDSL_PROFILE, else the device as it is)")(f)
 
 
 def json_option(f):

@@ -20,7 +20,7 @@ import click
 
 from vkdsl.train import config as C
 
-from .common import USER_ERRORS, golden_cases, open_device, user_error_line
+from .common import USER_ERRORS, _set_profile, golden_cases, open_device, user_error_line
 
 TYPES = {bool: None, int: click.INT, float: click.FLOAT, str: click.STRING, list: click.STRING}
 VERIFY_MATCH = ("matmul", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu", "cross", "tmkl", "lora")
@@ -149,7 +149,9 @@ train = click.Command(
             click.Option(["--resume"], type=click.Path(file_okay=False), default=None,
                          help="continue the run in this folder from its last checkpoint"),
             click.Option(["--distributed"], type=click.Choice(["auto", "mpi", "none"]), default="auto",
-                         show_default=True, help="data-parallel over MPI: auto = when started by mpirun")]
+                         show_default=True, help="data-parallel over MPI: auto = when started by mpirun"),
+            click.Option(["--profile"], default=None, metavar="NAME", expose_value=False, callback=_set_profile,
+                         help="capability profile: run as a device of this class would (see vkdsl devices)")]
     + [_option(name) for name in C.FIELDS])
 
 

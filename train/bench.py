@@ -103,6 +103,26 @@ def bench_sft(model, w, B=4, T=256):
     return rows
 
 
+def quick_sft(B=1, T=64, path=None) -> dict:
+    """A short SFT-step benchmark for `vkdsl doctor`: the default model, adapters on q,v, B x T
+    tokens, best of 2 after a warm-up step, beside the numpy fp32 forward of the same tokens."""
+    ck, _ = load_model_files(path or default_model_path())
+    model = Llama(ck)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
+    params = _inject(model, ("attn_q", "attn_v"))
+    step, opt = _sft_step(model, params)
+    t = _time(lambda: float(step(ids, np.roll(ids, -1, axis=1), opt.scalars(1e-4))))
+    _free(model, step)
+    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
+    t0 = time.perf_counter()
+    for b in range(B):
+        numpy_forward(w, model.cfg, ids[b])
+    npt = time.perf_counter() - t0
+    return {"case": f"{B}x{T}, adapters on q,v", "step_s": t, "tokens_per_s": B * T / t,
+            "numpy_tokens_per_s": B * T / npt}
+
+
 def dpo_step_and_inputs(model, P=4, T_prompt=32, T_resp=64):
     """The traced DPO step (adapters on q,v) and one batch of random pairs for it."""
     from . import dpo

@@ -102,7 +102,8 @@ def export(r, dpo_ev=None):
                                                                 "grad_accum", "clip", "weight_decay")},
              "max_len": cfg.max_len, "truncation_side": cfg.truncation_side,
              "masking": "loss on assistant/completion tokens incl. end-of-turn; prompt and padding = -100",
-             "device": f"{dev.name} ({dev.driver} {dev.driver_info})", "vkdsl": vkdsl.__version__,
+             "device": f"{dev.name} ({dev.driver} {dev.driver_info})", "profile": dev.profile or None,
+             "vkdsl": vkdsl.__version__,
              "processes": {"ranks": r.group.size, "devices": r.devices
                            or [f"rank 0: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info})"]},
              "final_metrics": r.final, "gates": summary["gates"]}

@@ -18,8 +18,9 @@ LVP_TILE = dict(TM=16, TN=32, LOCAL=(8, 1, 1))
 
 
 def default_variant(dev) -> str:
-    """lvp (register-blocked, no shared memory) on CPU drivers, gpu (shared-memory tiles) elsewhere."""
-    return "lvp" if dev.info.kind == "cpu" else "gpu"
+    """lvp (register-blocked, no shared memory) on CPU drivers, gpu (shared-memory tiles) elsewhere;
+    a capability profile may ask for either (runtime.profiles)."""
+    return dev.info.variant or ("lvp" if dev.info.kind == "cpu" else "gpu")
 
 
 def has_int64(dev) -> bool:

@@ -7,6 +7,7 @@ import sys
 import vulkan as vk
 
 from .device import DeviceInfo, instance, select
+from .profiles import apply, named
 from .errors import DeviceMemoryError, VulkanError, vkcall
 
 
@@ -88,7 +89,7 @@ def open_device(spec=None, announce: bool = False) -> Device:
     global _default
     if _default is not None and spec is None:
         return _default
-    info = select(spec)
+    info = apply(select(spec), named())          # $VKDSL_PROFILE: as if narrower (runtime.profiles)
     if _default is not None and _default.info.index == info.index:
         return _default
     if _default is not None:

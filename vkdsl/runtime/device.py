@@ -30,6 +30,8 @@ class Limits:
     storage16: bool          # storageBuffer16BitAccess: f16 values in storage buffers
     int8: bool
     int64: bool              # shaderInt64: 64-bit integer types (the 8-float matmul loads)
+    subgroup_arithmetic: bool = False   # subgroupAdd/Max/... in compute shaders
+    cooperative_matrix: bool = False    # VK_KHR_cooperative_matrix
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,12 @@ class DeviceInfo:
     host_visible_device_local: bool   # can the host map device-local memory directly?
     limits: Limits
     handle: object = field(repr=False, compare=False, default=None)
+    profile: str = ""        # the capability profile it is seen through (runtime.profiles), if any
+    variant: str = ""        # the kernel family that profile asks for ("" = the device's own)
 
     def describe(self) -> str:
-        return f"[{self.index}] {self.name} ({self.kind}; {self.driver} {self.driver_info})"
+        return (f"[{self.index}] {self.name} ({self.kind}; {self.driver} {self.driver_info})"
+                + (f" as profile {self.profile}" if self.profile else ""))
 
 
 def _version(v: int) -> str:
@@ -80,12 +85,19 @@ def _info(index: int, pd) -> DeviceInfo:
         max_push_constants=L.maxPushConstantsSize,
         subgroup_size=sub.subgroupSize,
         float16=bool(f16.shaderFloat16), storage16=bool(s16.storageBuffer16BitAccess),
-        int8=bool(f16.shaderInt8), int64=bool(vk.vkGetPhysicalDeviceFeatures(pd).shaderInt64))
+        int8=bool(f16.shaderInt8), int64=bool(vk.vkGetPhysicalDeviceFeatures(pd).shaderInt64),
+        subgroup_arithmetic=bool(sub.supportedOperations & vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT
+                                 and sub.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
+        cooperative_matrix="VK_KHR_cooperative_matrix" in _extensions(pd))
     return DeviceInfo(index=index, name=props.deviceName, kind=_TYPE_NAMES.get(props.deviceType, "other"),
                       driver=vk.ffi.string(drv.driverName).decode(errors="replace"),
                       driver_info=vk.ffi.string(drv.driverInfo).decode(errors="replace"),
                       api_version=_version(props.apiVersion), heaps=heaps,
                       host_visible_device_local=unified, limits=limits, handle=pd)
+
+
+def _extensions(pd) -> set:
+    return {e.extensionName for e in vk.vkEnumerateDeviceExtensionProperties(pd, None)}
 
 
 _instance = None

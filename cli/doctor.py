@@ -1,0 +1,106 @@
+"""vkdsl doctor: one report to paste into a bug report, in under two minutes: the device and the
+profile it is seen through, which kernel each op will use on it and why, a verify pass, and short
+matmul and training benchmarks (each beside its reference in the same process)."""
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from .common import device_option, json_option, open_device
+
+
+def _facts(dev) -> list[tuple]:
+    i, L = dev.info, dev.limits
+    feats = [f for f in ("float16", "storage16", "int8", "int64", "subgroup_arithmetic", "cooperative_matrix")
+             if getattr(L, f)]
+    return [("device", "name", i.describe(), f"Vulkan {i.api_version}"),
+            ("device", "memory", f"{max(b for b, _ in i.heaps) / 2**30:.1f} GiB largest heap",
+             "unified (host-mapped)" if i.host_visible_device_local else "staged through host buffers"),
+            ("device", "limits", f"binding {L.max_storage_buffer_range / 2**20:.0f} MiB, {L.max_workgroup_invocations} "
+             f"invocations, {L.max_shared_memory // 1024} KiB shared, subgroup {L.subgroup_size}",
+             f"as profile {i.profile}" if i.profile else "as the driver reports them"),
+            ("device", "features", ", ".join(feats) or "none beyond Vulkan 1.1 core", "used only when present")]
+
+
+def _choices(dev) -> list[tuple]:
+    """The kernel each op family picks on this device, and the reason."""
+    from vkdsl.handwritten import default_variant, gpu_config, has_int64
+    from vkdsl.matmul import plan_matmul
+    from vkdsl.ops.quant.kernels import plan_qmatmul
+    variant = default_variant(dev)
+    if dev.info.variant:
+        why = f"profile {dev.info.profile} asks for the {variant} kernels"
+    elif variant == "lvp":
+        why = "a CPU driver: register-blocked tiles, no shared memory or barriers (they are slow there)"
+    else:
+        why = "a GPU: shared-memory tiles"
+    rows = [("kernels", "family", variant, why)]
+    mm = plan_matmul(dev, M=512, N=512, K=512)
+    if variant == "gpu":
+        c = gpu_config(dev)
+        detail = (f"{c['BM']}x{c['BN']} block, {c['TM']}x{c['TN']} per thread, {c['LOCAL'][0] * c['LOCAL'][1]} threads: "
+                  f"the largest tile within {dev.limits.max_workgroup_invocations} invocations and "
+                  f"{dev.limits.max_shared_memory // 1024} KiB shared memory")
+    else:
+        detail = ("8-float loads (int64 present)" if has_int64(dev) else
+                  "4-float loads (no int64)") + ", 16x32 per invocation"
+    rows.append(("kernels", "matmul 512^3", mm.name, detail))
+    q = plan_qmatmul(dev, "q8_0", M=64, N=576, K=576)
+    rows.append(("kernels", "Q8_0 matmul 64x576x576", q.name, "dequantized inside the matmul"))
+    qv = plan_qmatmul(dev, "q8_0", M=1, N=576, K=576)
+    rows.append(("kernels", "Q8_0 matvec (decode)", qv.name, "one row: a matrix-vector kernel when the family has one"))
+    rows.append(("kernels", "generated", "fused elementwise / reductions, 64 invocations",
+                 "shapes baked in; compiled on first use, then cached or bundled"))
+    return rows
+
+
+def _verify_rows() -> list[tuple]:
+    from .verify import run_verify
+    t0 = time.perf_counter()
+    rows, _ = run_verify(repeat_warm=False)
+    bad = [r for r in rows if not r.passed]
+    return [("verify", "golden rows", f"{len(rows) - len(bad)}/{len(rows)} pass",
+             f"{time.perf_counter() - t0:.1f} s" + (": FAIL " + ", ".join(f"{r.op} {r.name}" for r in bad[:5])
+                                                     if bad else ""))]
+
+
+def _bench_rows(dev) -> list[tuple]:
+    from vkdsl.matmul import bench
+    r = bench(sizes=(512,), forms=("nn",), rounds=2, dev=dev)[0]
+    rows = [("bench", "matmul 512^3 fp32", f"{r['device_gflops']:.1f} GFLOP/s",
+             f"numpy in the same process {r['numpy_gflops']:.1f} GFLOP/s (ratio {r['device_gflops'] / r['numpy_gflops']:.2f})")]
+    from vkdsl.train.bench import quick_sft
+    s = quick_sft()
+    rows.append(("bench", f"SFT step {s['case']}", f"{s['tokens_per_s']:.0f} tokens/s",
+                 f"{s['step_s']:.2f} s per step (forward, backward, AdamW); numpy fp32 forward alone "
+                 f"{s['numpy_tokens_per_s']:.0f} tokens/s"))
+    return rows
+
+
+@click.command()
+@device_option
+@json_option
+@click.option("--no-bench", is_flag=True, help="skip the benchmarks (facts, kernel choices and verify only)")
+def doctor(device, as_json, no_bench):
+    """Device facts, the kernel each op uses and why, a verify pass, short benchmarks: one table."""
+    t0 = time.perf_counter()
+    dev = open_device(device, announce=not as_json)
+    rows = _facts(dev) + _choices(dev) + _verify_rows() + ([] if no_bench else _bench_rows(dev))
+    failed = any(r[0] == "verify" and "FAIL" in r[3] for r in rows)
+    if as_json:
+        click.echo(json.dumps({"rows": [dict(zip(("section", "item", "value", "why"), r)) for r in rows],
+                               "seconds": time.perf_counter() - t0, "verify_failed": failed}))
+    else:
+        w = max(len(r[1]) for r in rows)
+        section = None
+        for s, item, value, why in rows:
+            if s != section:
+                click.echo(f"{s}:")
+                section = s
+            click.echo(f"  {item:{w}s}  {value}" + (f"  ({why})" if why else ""))
+        click.echo(f"vkdsl doctor: {time.perf_counter() - t0:.0f} s")
+    if failed:
+        raise SystemExit(1)
+

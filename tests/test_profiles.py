@@ -1,0 +1,87 @@
+"""Capability profiles (vkdsl.runtime.profiles): the device seen as narrower; every verify row
+passes under every profile on lavapipe (the whole verify suite, each profile in its own process),
+the kernel choices follow the profile, and `vkdsl doctor` reports them."""
+import dataclasses
+import json
+import os
+import types
+
+import pytest
+
+from test_cli import run
+from vkdsl.handwritten import gpu_config
+from vkdsl.runtime import default_device
+from vkdsl.runtime.profiles import FEATURES, PROFILES, ProfileError, apply, named
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_a_profile_only_narrows_the_device(name):
+    real = default_device().info
+    seen = apply(real, PROFILES[name])
+    p = PROFILES[name]
+    for f in dataclasses.fields(real.limits):
+        a, b = getattr(real.limits, f.name), getattr(seen.limits, f.name)
+        if f.name == "subgroup_size":
+            assert b == p.limits["subgroup_size"]
+        elif f.name in FEATURES:
+            assert b == (a and f.name in p.features), f.name
+        elif isinstance(a, tuple):
+            assert all(y <= x for x, y in zip(a, b)) and all(y <= c for y, c in zip(b, p.limits.get(f.name, b))), f.name
+        else:
+            assert b <= a and b <= p.limits.get(f.name, b), f.name
+    assert seen.profile == name and "as profile " + name in seen.describe()
+
+
+def test_minimal_has_no_optional_feature_and_tiles_for_128_invocations():
+    seen = apply(default_device().info, named("minimal"))
+    L = seen.limits
+    assert not any(getattr(L, f) for f in FEATURES)
+    assert (L.max_workgroup_invocations, L.max_shared_memory, L.max_storage_buffer_range) == (128, 16384, 128 << 20)
+    cfg = gpu_config(types.SimpleNamespace(limits=L, info=seen))
+    threads = cfg["LOCAL"][0] * cfg["LOCAL"][1]
+    assert threads <= 128 and 2 * cfg["BK"] * (cfg["BM"] + 1) * 4 <= 16384 and cfg["BM"] == 32
+
+
+def test_an_unknown_profile_is_one_line_naming_the_known_ones():
+    with pytest.raises(ProfileError, match="known profiles: minimal, mobile-mali, amd-rdna, nvidia"):
+        named("bogus")
+    p = run(["verify", "--profile", "bogus"], check=False)
+    assert p.returncode != 0 and "known profiles" in p.stderr and "Traceback" not in p.stderr
+    p = run(["verify", "--match", "add"], env=dict(os.environ, VKDSL_PROFILE="bogus"), check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == ("Error: profile 'bogus' is not known; known profiles: minimal, "
+                                                 "mobile-mali, amd-rdna, nvidia (or none)")
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_every_verify_row_passes_under_the_profile(name):
+    out = run(["verify", "--profile", name, "--json"], timeout=900).stdout.splitlines()
+    rows = [json.loads(x) for x in out]
+    summary = rows.pop()
+    assert summary["failed"] == 0 and summary["rows"] == len(rows) > 200
+    assert all(r["passed"] for r in rows)
+
+
+def _doctor(*args):
+    report = json.loads(run(["doctor", "--json", *args], timeout=300).stdout)
+    return report, {r["item"]: r for r in report["rows"]}
+
+
+@pytest.mark.parametrize("name,family,matmul", [("minimal", "lvp", "matmul_nn_lvp_v4s4"),
+                                                ("nvidia", "gpu", "matmul_nn_gpu128"),
+                                                ("mobile-mali", "gpu", "matmul_nn_gpu128")])
+def test_doctor_shows_the_kernels_the_profile_picks(name, family, matmul):
+    report, rows = _doctor("--profile", name, "--no-bench")
+    assert rows["family"]["value"] == family and rows["matmul 512^3"]["value"] == matmul
+    assert f"as profile {name}" in rows["limits"]["why"]
+    assert not report["verify_failed"] and rows["golden rows"]["value"].split("/")[0] == \
+        rows["golden rows"]["value"].split("/")[1].split()[0]
+
+
+def test_doctor_with_benchmarks_runs_within_two_minutes():
+    report, rows = _doctor()
+    assert report["seconds"] < 120
+    mm = rows["matmul 512^3 fp32"]
+    assert float(mm["value"].split()[0]) > 0 and "numpy in the same process" in mm["why"]
+    sft = next(r for r in report["rows"] if r["item"].startswith("SFT step"))
+    assert float(sft["value"].split()[0]) > 0
