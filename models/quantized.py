@@ -53,8 +53,8 @@ class Packed:
         lead = x.shape[:-1]
         return quant.qlinear(x.reshape(math.prod(lead), K), self.arrays, self.fmt, self.shape).reshape(*lead, N)
 
-    def rows(self, ids: Tensor) -> Tensor:
-        return quant.qgather(ids, self.arrays, self.fmt, self.shape)
+    def rows(self, ids: Tensor, base: int = 0, total: int | None = None) -> Tensor:
+        return quant.qgather(ids, self.arrays, self.fmt, self.shape, base, total)
 
     def as_linear(self):
         return self

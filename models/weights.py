@@ -23,8 +23,8 @@ class Dense:
     def __call__(self, x: Tensor) -> Tensor:
         return x @ self.W.T               # a transposed operand is a flag, not a copy
 
-    def rows(self, ids: Tensor) -> Tensor:
-        return self.W.gather(ids)
+    def rows(self, ids: Tensor, base: int = 0, total: int | None = None) -> Tensor:
+        return self.W.gather(ids, base, total)
 
     def as_linear(self):
         return self
@@ -46,6 +46,63 @@ def planned_bytes(rec: TensorRecord, quant: str = "keep") -> int:
     return 4 * int(np.prod(rec.shape))
 
 
-def device_weight(rec: TensorRecord, quant: str = "keep"):
-    """A linear weight or embedding table on the device: packed where the mode asks, else fp32."""
+class RowSplit:
+    """A weight larger than one storage binding (the device's maxStorageBufferRange: 128 MiB on
+    lavapipe and under the minimal profile; a 150k-vocabulary head, a 7B embedding) kept as blocks
+    of rows, each in buffers of its own. x @ W^T is the blocks' outputs side by side (zero-padded
+    into place and summed: one fused kernel, and the padding's gradient is the slice); a row
+    gather asks every block, which gives its own rows and 0 for the others' (NaN outside W)."""
+
+    def __init__(self, parts: list, starts: list[int], shape, name: str = ""):
+        self.parts, self.starts, self.shape, self.name = parts, starts, tuple(shape), name
+
+    def __call__(self, x: Tensor) -> Tensor:
+        N = self.shape[0]
+        out = None
+        for p, r0 in zip(self.parts, self.starts):
+            y = p(x)
+            y = y.pad(((0, 0),) * (y.ndim - 1) + ((r0, N - r0 - p.shape[0]),))
+            out = y if out is None else out + y
+        return out
+
+    def rows(self, ids: Tensor) -> Tensor:
+        out = None
+        for p, r0 in zip(self.parts, self.starts):
+            y = p.rows(ids, r0, self.shape[0])
+            out = y if out is None else out + y
+        return out
+
+    def as_linear(self):
+        return self
+
+    @property
+    def device_bytes(self):
+        return sum(p.device_bytes for p in self.parts)
+
+    @property
+    def fp32_bytes(self):
+        return int(np.prod(self.shape)) * 4
+
+
+def binding_limit() -> int:
+    from vkdsl.runtime import default_device
+    return default_device().limits.max_storage_buffer_range
+
+
+def device_weight(rec: TensorRecord, quant: str = "keep", limit: int | None = None):
+    """A linear weight or embedding table on the device: packed where the mode asks, else fp32;
+    split by rows when it would not fit one binding (limit: bytes, default the device's)."""
+    limit = binding_limit() if limit is None else limit
+    need = planned_bytes(rec, quant)
+    if len(rec.shape) == 2 and need > limit:
+        rows = max(1, int(rec.shape[0] * (limit / need)) // 64 * 64)   # rows per block, a margin for rounding
+        starts = list(range(0, rec.shape[0], rows))
+        parts = [_one(TensorRecord(f"{rec.name}[{r0}:{min(r0 + rows, rec.shape[0])}]", rec.ggml_type,
+                                   (min(rows, rec.shape[0] - r0), rec.shape[1]), rec.raw[r0:r0 + rows]), quant)
+                 for r0 in starts]
+        return RowSplit(parts, starts, rec.shape, rec.name)
+    return _one(rec, quant)
+
+
+def _one(rec: TensorRecord, quant: str):
     return Packed(rec, quant) if wants_packed(rec, quant) else Dense(rec.dequantize(), rec.name)

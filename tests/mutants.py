@@ -99,6 +99,13 @@ MUTANTS = [
            "self.base = self.group.bcast(_cached_base(cache, key) if self.group.root else None)",
            "self.base = _cached_base(cache, key)", ("tests/test_distributed.py", "-k", "resume"),
            "on resume each rank looks for the base evaluation in its own folder (only rank 0's has it)"),
+    Mutant("split_blocks_not_moved_into_place", "models/weights.py",
+           "y = y.pad(((0, 0),) * (y.ndim - 1) + ((r0, N - r0 - p.shape[0]),))",
+           "y = y.pad(((0, 0),) * (y.ndim - 1) + ((0, N - p.shape[0]),))", ("tests/test_big_weights.py",),
+           "a weight split over bindings puts every block's outputs in the first block's columns"),
+    Mutant("split_qgather_ignores_its_base", "ops/quant/gather.py", "GATHER_PUSH.pack(V, D, self.base, self.total)",
+           "GATHER_PUSH.pack(V, D, 0, self.total)", ("tests/test_big_weights.py",),
+           "a packed table's later blocks look their rows up as if they started at row 0"),
 ]
 
 

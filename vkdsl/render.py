@@ -163,7 +163,8 @@ def render_step(step) -> Rendered:
             Rendered(name, src, (LOCAL, 1, 1), -(-n // LOCAL))
     if step.kind == "gather":
         table, idx = t.src
-        return Rendered(name, gather(table.shape, math.prod(idx.shape)), (LOCAL, 1, 1), -(-n // LOCAL))
+        return Rendered(name, gather(table.shape, math.prod(idx.shape), *(t.arg or ())), (LOCAL, 1, 1),
+                        -(-n // LOCAL))
     per = VEC_EW if vector_elementwise(t) else 1
     return Rendered(name, elementwise(t, step.inputs), (LOCAL, 1, 1), -(-n // (LOCAL * per)))
 
@@ -245,10 +246,14 @@ def reduction(node, leaves, group: int) -> str:
                    f"    barrier();\n  }}\n  if (lane == 0u && live) b0[o] = part[0];\n}}\n")
 
 
-def gather(table_shape, n_rows: int) -> str:
-    """out[i, :] = table[idx[i], :]; an index outside the table yields NaN rows, never a stray read."""
+def gather(table_shape, n_rows: int, base: int = 0, total: int | None = None) -> str:
+    """out[i, :] = table[idx[i], :]; an index outside the table yields NaN rows, never a stray read.
+    base, total: the table is rows [base, base + V) of one of total rows: other rows give 0."""
     V, D = table_shape
-    return (_header([("float", True), ("float", False), ("int", False)]) +
+    head = (_header([("float", True), ("float", False), ("int", False)]) +
             f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n_rows * D}u) return;\n"
-            f"  uint i = gid / {D}u, d = gid % {D}u;\n  int row = b2[i];\n"
-            f"  b0[gid] = (row >= 0 && row < {V}) ? b1[uint(row) * {D}u + d] : (0.0/0.0);\n}}\n")
+            f"  uint i = gid / {D}u, d = gid % {D}u;\n  int row = b2[i];\n")
+    if not base and (total is None or total == V):
+        return head + f"  b0[gid] = (row >= 0 && row < {V}) ? b1[uint(row) * {D}u + d] : (0.0/0.0);\n}}\n"
+    return head + (f"  int r = row - {base};\n  b0[gid] = (row < 0 || row >= {total}) ? (0.0/0.0) : "
+                   f"(r >= 0 && r < {V}) ? b1[uint(r) * {D}u + d] : 0.0;\n}}\n")

@@ -278,14 +278,25 @@ class Tensor:
 
     __matmul__ = matmul
 
-    def gather(self, idx: "Tensor") -> "Tensor":
-        """Rows of a (V, D) table: out[i] = self[idx[i]] (embedding lookup)."""
+    def gather(self, idx: "Tensor", base: int = 0, total: int | None = None) -> "Tensor":
+        """Rows of a (V, D) table: out[i] = self[idx[i]] (embedding lookup); an index outside the
+        table gives a NaN row. A table that is rows [base, base + V) of a larger one of `total`
+        rows (a weight split over bindings) gives 0 for the other parts' rows, NaN outside total."""
         if self.ndim != 2:
             raise ShapeError(f"gather: the table must be 2-d (V, D), got {self.shape}")
         if idx.dtype != "int32":
             raise TypeError(f"gather: indices must be int32, got {idx.dtype}")
         self._need_float("gather")
-        return Tensor("gather", (self, idx), shape=idx.shape + self.shape[1:], requires_grad=self.requires_grad)
+        total = self.shape[0] if total is None else int(total)
+        if base or total != self.shape[0]:
+            if self.requires_grad:
+                raise ValueError("gather: a part of a split table takes no gradient")
+            if not 0 <= base <= total - self.shape[0]:
+                raise ShapeError(f"gather: rows [{base}, {base + self.shape[0]}) do not lie in a table of {total}")
+            arg = (int(base), total)
+        else:
+            arg = None                  # the whole table (one kernel source for every unsplit gather)
+        return Tensor("gather", (self, idx), arg, shape=idx.shape + self.shape[1:], requires_grad=self.requires_grad)
 
     # ---- in-place update (parameters, optimizer state) -------------------------------------
     def assign(self, value: "Tensor") -> "Tensor":

@@ -1,10 +1,18 @@
 #version 450
 // Embedding lookup from a quantized table (N x K, see quant_common.glsl): out[i, :] = W[ids[i], :].
 // One 32-element range per invocation. An id outside the table gives a NaN row, never a stray read.
-// Bindings: 0 = out (fp32 n x K), 1 = ids (int32 n), 2.. = the format's arrays. QuantPush: N, K.
+// A table that is rows [BASE, BASE + N) of one of TOTAL rows (a weight split over bindings) gives 0
+// for the other parts' rows. Bindings: 0 = out (fp32 n x K), 1 = ids (int32 n), 2.. = the format's
+// arrays. Push (host "<4I", ops/quant/gather.py): N, K, BASE, TOTAL.
 #extension GL_EXT_control_flow_attributes : require
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
-#include "quant_push.glsl"
+layout(push_constant) uniform GatherPush {
+    uint N, K, BASE, TOTAL;
+} qp;
+
+uint work_item() {
+    return gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+}
 layout(std430, binding = 0) writeonly buffer Out { vec4 o[]; };
 layout(std430, binding = 1) readonly buffer Ids { int ids[]; };
 #define QB0 2
@@ -14,9 +22,14 @@ void main() {
     const uint nr = qp.K / 32u, item = work_item();
     const uint i = item / nr, r = item % nr;
     if (i >= uint(ids.length())) return;
-    const int row = ids[i];
-    if (row < 0 || uint(row) >= qp.N) {
+    const int id = ids[i];
+    if (id < 0 || uint(id) >= qp.TOTAL) {
         [[unroll]] for (int v = 0; v < 8; v++) o[8u * item + v] = vec4(0.0 / 0.0);
+        return;
+    }
+    const int row = id - int(qp.BASE);
+    if (row < 0 || uint(row) >= qp.N) {
+        [[unroll]] for (int v = 0; v < 8; v++) o[8u * item + v] = vec4(0.0);
         return;
     }
     Q32 q;
