@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures.train_data import tiny_setup
 from test_cli import run
 
 TRAIN = str(Path(sys.executable).parent / "vkdsl-train")
@@ -18,13 +17,17 @@ TRAIN = str(Path(sys.executable).parent / "vkdsl-train")
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
+    """The default vkdsl-train job, shortened (one step of SFT, 8 held-out rows, 2 passages), and
+    `vkdsl generate` on the default model, recorded into one bundle."""
+    from vkdsl.train.config import DATA
     tmp = tmp_path_factory.mktemp("bundle-job")
-    tm, tr, he, pr = tiny_setup(tmp)
-    train = ["vkdsl-train", "--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he,
-             "--preservation-file", pr, "--labels", "low,medium,high", "--max-len", "64", "--bucket", "16",
-             "--rank", "4", "--steps", "2", "--warmup", "1", "--batch-size", "4", "--eval-batch", "4",
+    held, pres = tmp / "held8.jsonl", tmp / "pres2.jsonl"
+    held.write_text("".join((DATA / "routing_heldout.jsonl").read_text().splitlines(True)[:8]))
+    pres.write_text("".join((DATA / "preservation.jsonl").read_text().splitlines(True)[:2]))
+    train = ["vkdsl-train", "--steps", "1", "--warmup", "0", "--objective", "sft", "--heldout-file", str(held),
+             "--preservation-file", str(pres), "--format-examples", "0", "--stability-rows", "0", "--no-verify",
              "--quiet"]
-    gen = ["vkdsl", "generate", "--model", str(tm.gguf_path), "--prompt", "the dog", "--max-new-tokens", "6"]
+    gen = ["vkdsl", "generate", "--prompt", "The capital of France is", "--max-new-tokens", "4"]
     bundle = tmp / "bundle"
     import shlex
     out = run(["compile", "--bundle", str(bundle), "--for", shlex.join(train + ["--out", str(tmp / "with")]),
@@ -55,7 +58,7 @@ def test_a_recorded_training_job_runs_from_the_bundle_identically(job):
     import subprocess
     p = subprocess.run([TRAIN, *train[1:], "--out", str(tmp / "without")], capture_output=True, text=True,
                        env=_offline(tmp, bundle), timeout=600)
-    assert p.returncode in (0, 2), p.stderr[-3000:]        # 2: a gate of the tiny run failed, not the run
+    assert p.returncode in (0, 2), p.stderr[-3000:]        # 2: a gate of the one-step run failed, not the run
     a, b = np.load(tmp / "with" / "adapter.npz"), np.load(tmp / "without" / "adapter.npz")
     assert sorted(a.files) == sorted(b.files)
     for k in a.files:
@@ -76,12 +79,12 @@ def test_generate_and_verify_run_from_the_bundle(job):
 def test_a_job_the_bundle_was_not_built_for_is_one_line_naming_the_fix(job):
     tmp, bundle, train, gen = job
     import subprocess
-    other = [TRAIN, *train[1:], "--max-len", "48", "--batch-size", "2", "--out", str(tmp / "other")]
+    other = [TRAIN, *train[1:], "--batch-size", "3", "--out", str(tmp / "other")]
     p = subprocess.run(other, capture_output=True, text=True, env=_offline(tmp, bundle), timeout=600)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     line = p.stderr.strip().splitlines()[-1]
     assert line.startswith("vkdsl-train: error: kernel '") and f"is not in SPIR-V bundle {bundle}" in line, line
-    assert f"vkdsl compile --bundle {bundle} --for 'vkdsl-train " in line and "--max-len 48" in line, line
+    assert f"vkdsl compile --bundle {bundle} --for 'vkdsl-train " in line and "--batch-size 3" in line, line
 
 
 def test_a_malformed_for_is_refused_before_any_work(tmp_path):
