@@ -21,7 +21,7 @@ BENCHES = {
     "train": ("vkdsl.train.profile:bench_or_profile",
               "SmolLM2 training-step speed (SFT at 4 x 256, or DPO at 4 pairs x 64) and device memory.",
               [click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft", show_default=True),
-               click.Option(["--profile"], is_flag=True,
+               click.Option(["--by-kernel", "by_kernel"], is_flag=True,
                             help="time per kernel class of one step (each dispatch alone), GFLOP/s, share")]),
     "parallel": ("vkdsl.train.parallel_bench:bench_parallel",
                  "Data-parallel SFT step (run under mpirun -np P): compute vs all-reduce seconds, ring bytes.",
@@ -39,7 +39,7 @@ def _arguments(name, kw):
     if name == "model":
         return (kw["model_path"],)
     if name == "train":
-        return (kw["objective"], None, kw["profile"])
+        return (kw["objective"], None, kw["by_kernel"])
     if name == "parallel":
         return (kw["steps"],)
     return ()

@@ -199,7 +199,7 @@ def test_a_cache_over_budget_computes_in_step(tiny):
 
 
 def test_profile_classes_cover_every_dispatch(tiny):
-    # `vkdsl bench train --profile` on the tiny model: each timed dispatch lands in one class
+    # `vkdsl bench train --by-kernel` on the tiny model: each timed dispatch lands in one class
     from vkdsl.train.profile import CLASSES, table
     m, names, cfg = model_with_adapters(tiny, tmkl=0.1)
     st = Stepper(m, params_of(m, names), cfg)

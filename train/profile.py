@@ -1,4 +1,4 @@
-"""`vkdsl bench train --profile`: where one training step's time goes, by kernel class, with
+"""`vkdsl bench train --by-kernel`: where one training step's time goes, by kernel class, with
 achieved GFLOP/s for the matmul-like kernels. Each recorded dispatch of the traced step is
 submitted on its own (vkdsl.bench.time_steps); the difference to the whole step's wall time is
 host work (the optimizer, copies, submit and wait)."""
@@ -102,7 +102,7 @@ def profile_dpo(path=None) -> list[dict]:
 
 
 def bench_or_profile(objective="sft", path=None, profile=False) -> list[dict]:
-    """`vkdsl bench train [--objective dpo] [--profile]`: the step's speed, or where its time goes."""
+    """`vkdsl bench train [--objective dpo] [--by-kernel]`: the step's speed, or where its time goes."""
     from .bench import bench_train
     if not profile:
         return bench_train(objective, path)
