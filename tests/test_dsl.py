@@ -161,3 +161,27 @@ def test_assign_updates_in_place(rng):
     w = T(np.arange(6, dtype=np.float32))
     w.assign(w * 2 + 1)
     np.testing.assert_array_equal(w.numpy(), np.arange(6) * 2 + 1)
+
+
+@pytest.mark.parametrize("R", [128, 1000, 49152])
+def test_workgroup_reductions_against_float64_and_nan(rng, R):
+    """Reductions with a workgroup per output: with subgroup arithmetic (lavapipe has it) each
+    subgroup combines first; under VKDSL_PROFILE=minimal the shared-memory tree runs instead
+    (tests/test_profiles.py runs these there). max must propagate NaN as numpy does and -inf must
+    stay -inf, wherever in the row they sit."""
+    from vkdsl import compiler
+    from vkdsl.runtime import default_device
+    x = rng.standard_normal((5, R)).astype(np.float32)
+    x[1, R - 1] = np.nan                              # last lane of the last subgroup's stride
+    x[2, 0] = np.nan
+    x[3] = -np.inf
+    x[4, R // 2] = 1e30
+    mx, sm = T(x).max(axis=-1).numpy(), T(x).sum(axis=-1).numpy()
+    ref = x.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(mx), [False, True, True, False, False])
+    assert mx[0] == ref[0].max() and mx[3] == -np.inf and mx[4] == np.float32(1e30)
+    assert abs(sm[0] - ref[0].sum()) <= 1e-5 * np.abs(ref[0]).sum()
+    assert np.isnan(sm[1]) and np.isnan(sm[2]) and sm[3] == -np.inf
+    srcs = [src for name, src in compiler.compiled_this_process.values() if name.startswith("reduce_5")]
+    uses = any("subgroupMax" in s for s in srcs)
+    assert uses == default_device().limits.subgroup_arithmetic

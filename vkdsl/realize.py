@@ -65,7 +65,7 @@ def upload(a: np.ndarray, device=None, name=None) -> Buffer:
 
 def generated_kernel(dev, step):
     """(pipeline, workgroups) of a generated step: the renderer says the geometry."""
-    r = render.render_step(step)
+    r = render.render_step(step, subgroups=dev.limits.subgroup_arithmetic)
     k = get_kernel(dev, r.name, compile_glsl(r.name, r.source), 1 + len(step.inputs), 0, r.local)
     return k, fold_grid(dev, r.n_groups)
 

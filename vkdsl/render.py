@@ -150,15 +150,16 @@ def kernel_name(step) -> str:
     return f"{step.kind}_{'x'.join(map(str, step.node.shape)) or 'scalar'}"
 
 
-def render_step(step) -> Rendered:
+def render_step(step, subgroups: bool = False) -> Rendered:
     """The kernel of one scheduled step (elementwise, reduce or gather): out is binding 0,
-    step.inputs follow in order."""
+    step.inputs follow in order. subgroups: the device has subgroup arithmetic (a reduction with
+    a workgroup per output then combines within subgroups first)."""
     t = step.node
     name = kernel_name(step)
     n = math.prod(t.shape)
     if step.kind == "reduce":
         group = REDUCE_GROUP if t.src[0].shape[t.arg[1]] >= 128 else 1
-        src = reduction(t, step.inputs, group)
+        src = reduction(t, step.inputs, group, subgroups)
         return Rendered(name, src, (group, 1, 1), n) if group > 1 else \
             Rendered(name, src, (LOCAL, 1, 1), -(-n // LOCAL))
     if step.kind == "gather":
@@ -218,9 +219,14 @@ def vector_elementwise(node) -> bool:
     return len(node.shape) > 0 and node.shape[-1] % VEC_EW == 0 and math.prod(node.shape) > 0
 
 
-def reduction(node, leaves, group: int) -> str:
+SUBGROUP_OP = {"sum": "subgroupAdd", "max": "subgroupMax"}
+
+
+def reduction(node, leaves, group: int, subgroups: bool = False) -> str:
     """Reduce node.src[0] (a fused expression) along one axis. group == 1: one invocation per
-    output; group > 1: one workgroup per output, strided loop then a shared-memory tree."""
+    output; group > 1: one workgroup per output, strided loop, then a shared-memory tree -- or,
+    with subgroup arithmetic, each subgroup's own combine, one barrier, and lane 0 combining the
+    subgroups' partials (written for any subgroup size: no lane count is assumed)."""
     kind, axis = node.arg
     src = node.src[0]
     init, comb = REDUCE[kind]
@@ -236,11 +242,24 @@ def reduction(node, leaves, group: int) -> str:
         return head + (f"void main() {{\n  uint o = {GID};\n  if (o >= {n_out}u) return;\n{decl}"
                        f"  float acc = {init};\n  for (uint r = 0u; r < {R}u; r++) {{\n{body}\n"
                        f"    acc = {comb.format(acc='acc', x=v)};\n  }}\n  b0[o] = acc;\n}}\n")
-    return head + (f"shared float part[{group}];\n"
-                   f"void main() {{\n  uint o = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;\n"
-                   f"  uint lane = gl_LocalInvocationID.x;\n  bool live = o < {n_out}u;\n  if (!live) o = 0u;\n{decl}"
-                   f"  float acc = {init};\n  for (uint r = lane; r < {R}u; r += {group}u) {{\n{body}\n"
-                   f"    acc = {comb.format(acc='acc', x=v)};\n  }}\n  part[lane] = acc;\n  barrier();\n"
+    start = (f"shared float part[{group}];\n"
+             f"void main() {{\n  uint o = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;\n"
+             f"  uint lane = gl_LocalInvocationID.x;\n  bool live = o < {n_out}u;\n  if (!live) o = 0u;\n{decl}"
+             f"  float acc = {init};\n  for (uint r = lane; r < {R}u; r += {group}u) {{\n{body}\n"
+             f"    acc = {comb.format(acc='acc', x=v)};\n  }}\n")
+    if subgroups:
+        op = SUBGROUP_OP[kind]
+        if kind == "max":       # subgroupMax need not propagate NaN as numpy does: carry it beside
+            combine = f"  float bad = {op}(isnan(acc) ? 1.0 : 0.0);\n  acc = bad > 0.0 ? (0.0/0.0) : {op}(acc);\n"
+        else:
+            combine = f"  acc = {op}(acc);\n"
+        ext = "#version 450\n#extension GL_KHR_shader_subgroup_arithmetic : require\n"
+        return (head.replace("#version 450\n", ext, 1) + start + combine
+                + "  if (gl_SubgroupInvocationID == 0u) part[gl_SubgroupID] = acc;\n  barrier();\n"
+                + "  if (lane == 0u && live) {\n    float t = part[0];\n"
+                + f"    for (uint s = 1u; s < gl_NumSubgroups; s++) t = {comb.format(acc='t', x='part[s]')};\n"
+                + "    b0[o] = t;\n  }\n}\n")
+    return head + start + (f"  part[lane] = acc;\n  barrier();\n"
                    f"  for (uint s = {group // 2}u; s > 0u; s >>= 1) {{\n"
                    f"    if (lane < s) part[lane] = {comb.format(acc='part[lane]', x='part[lane + s]')};\n"
                    f"    barrier();\n  }}\n  if (lane == 0u && live) b0[o] = part[0];\n}}\n")
