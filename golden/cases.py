@@ -323,6 +323,14 @@ def _q8_0(r, nb):
     return np.concatenate([_f16_bytes(d), r.integers(0, 256, (nb, 32)).astype(np.uint8)], 1)
 
 
+def _f16_weights(r, nb):
+    """nb ranges of 32 halves: log-uniform magnitudes over 1e-4..5e4, subnormals and zeros."""
+    w = SIGNED(r, (10.0 ** U(r, (nb * 32,), -4.0, 4.7)).astype(np.float32))
+    w[::7] = 3e-6                    # subnormal in f16
+    w[1::11] = 0.0
+    return _f16_bytes(w).reshape(nb, 64)
+
+
 def _q4_0(r, nb):
     d = SIGNED(r, U(r, (nb,), 1e-4, 1e-2))
     return np.concatenate([_f16_bytes(d), r.integers(0, 256, (nb, 16)).astype(np.uint8)], 1)
@@ -347,7 +355,8 @@ def quant_cases():
     for shape in [(3, 128), (257, 64)]:  # 257 blocks -> 2 double-quant blocks, the last partial
         out.append(Case(f"nf4_roundtrip[{shp(shape)}]", "nf4_roundtrip",
                         {"block": 64, "scale_block": 256}, lambda r, s=shape: [N(r, s)]))
-    for op, fn in [("dequant_q8_0", _q8_0), ("dequant_q4_0", _q4_0), ("dequant_q4_1", _q4_1)]:
+    for op, fn in [("dequant_q8_0", _q8_0), ("dequant_q4_0", _q4_0), ("dequant_q4_1", _q4_1),
+                   ("dequant_f16", _f16_weights)]:
         for rows, cols in [(1, 32), (3, 64), (7, 576)]:
             out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
                             lambda r, f=fn, n=rows * cols // 32: [f(r, n).ravel()]))

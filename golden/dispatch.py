@@ -126,7 +126,7 @@ PHASE2: dict[str, Callable] = {
     "kl": _kl, "tmkl": _tmkl, "dpo": _dpo, "adamw": _adamw, "clip_grad_norm": _clip,
     "int4_roundtrip": _int4, "nf4_roundtrip": _nf4,
     "dequant_q8_0": _dequant(Q.dequant_q8_0), "dequant_q4_0": _dequant(Q.dequant_q4_0),
-    "dequant_q4_1": _dequant(Q.dequant_q4_1),
+    "dequant_q4_1": _dequant(Q.dequant_q4_1), "dequant_f16": _dequant(Q.dequant_f16),
 }
 
 # ops whose cases carry an upstream gradient "gout" (same shape as "out")

@@ -13,7 +13,7 @@ def _f64(x) -> np.ndarray:
 
 __all__ = ["int4_quantize", "int4_dequantize", "int4_roundtrip",
            "NF4_CODEBOOK", "nf4_quantize", "nf4_dequantize", "nf4_roundtrip",
-           "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1"]
+           "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1", "dequant_f16"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -185,3 +185,9 @@ def dequant_q4_1(raw, shape) -> np.ndarray:
     b = _blocks(raw, shape, 20)
     q = _nibbles32(b[:, 4:]).astype(np.float64)
     return (_f16(b[:, :2])[:, None] * q + _f16(b[:, 2:4])[:, None]).reshape(shape)
+
+
+def dequant_f16(raw, shape) -> np.ndarray:
+    """GGUF F16 bytes (little-endian halves, row-major) -> float64 (rows, cols)."""
+    b = _blocks(raw, shape, 64)
+    return np.ascontiguousarray(b).reshape(-1, 2).view("<f2").astype(np.float64).reshape(shape)

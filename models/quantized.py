@@ -14,14 +14,15 @@ from vkdsl.ops import quant
 
 from .tensors import TensorRecord
 
-PACKED_GGUF = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}
+# stored types kept as they are on the device (F16: half the bytes of fp32, read by unpackHalf2x16)
+PACKED_GGUF = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "F16": "f16"}
 
 
 def wants_packed(rec: TensorRecord, quant_mode: str) -> bool:
     if quant_mode == "none" or len(rec.shape) != 2:
         return False
-    if quant_mode == "keep":
-        return rec.ggml_type in PACKED_GGUF
+    if quant_mode == "keep":         # an F16 row that is not whole 32-element ranges stays fp32
+        return rec.ggml_type in PACKED_GGUF and (rec.ggml_type != "F16" or rec.shape[1] % 32 == 0)
     if quant_mode in ("int4", "nf4"):
         return rec.shape[1] % 64 == 0
     raise ValueError(f"quant must be keep, none, int4 or nf4; got {quant_mode!r}")
@@ -29,7 +30,7 @@ def wants_packed(rec: TensorRecord, quant_mode: str) -> bool:
 
 def _pack(rec: TensorRecord, quant_mode: str) -> quant.QuantizedWeight:
     if quant_mode == "keep":
-        return quant.from_gguf(rec.raw, rec.ggml_type, rec.shape)
+        return quant.from_gguf(np.ascontiguousarray(rec.raw).view(np.uint8), rec.ggml_type, rec.shape)
     w = rec.dequantize().astype(np.float32)
     return quant.quantize_int4(w) if quant_mode == "int4" else quant.quantize_nf4(w)
 

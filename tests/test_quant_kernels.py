@@ -20,17 +20,18 @@ from vkdsl.runtime import Buffer, Recording
 
 SENTINEL = np.float32(-12345.5)
 U32 = 2.0 ** -24
-FORMATS = ["q4_0", "q4_1", "q8_0", "int4", "int4_f16", "nf4"]
+FORMATS = ["q4_0", "q4_1", "q8_0", "f16", "int4", "int4_f16", "nf4"]
 
 
 def make_weight(fmt, N, K, seed=0):
     """(QuantizedWeight, reference fp32 weight from an independent decoder where one exists)."""
     w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
-    if fmt.startswith("q"):
+    if fmt.startswith("q") or fmt == "f16":
         gt = getattr(GT, fmt.upper())
         raw = gguf.quants.quantize(w, gt)
         qw = Q.from_gguf(raw, fmt)
-        assert qw.device_bytes == raw.nbytes + (2 if fmt != "q4_1" and (N * K // 32) % 2 else 0)
+        pad = 2 if fmt in ("q4_0", "q8_0") and (N * K // 32) % 2 else 0      # an odd count of f16 scales
+        assert qw.device_bytes == raw.nbytes + pad
         return qw, gguf.quants.dequantize(raw, gt).astype(np.float32)
     qw = Q.quantize_nf4(w) if fmt == "nf4" else Q.quantize_int4(w, np.float16 if fmt == "int4_f16" else np.float32)
     ref = decode(fmt, qw.arrays, (N, K))
@@ -78,10 +79,10 @@ def test_dequant(dev, fmt):
 
 
 def gguf_bits(fmt):
-    return {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5}[fmt]
+    return {"q4_0": 4.5, "q4_1": 5.0, "q8_0": 8.5, "f16": 16.0}[fmt]
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "f16"])
 def test_gguf_bytes_are_the_block_bytes(fmt):
     qw, _ = make_weight(fmt, 64, 576)
     assert qw.device_bytes == qw.format_bytes == 64 * 576 * gguf_bits(fmt) / 8

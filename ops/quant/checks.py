@@ -87,5 +87,6 @@ register("nf4_roundtrip", _nf4, 1e-5,
          "up to 256 blocks the layouts agree and NMSE ~ 1e-15")
 register("dequant_q8_0", _gguf("q8_0"), 0.0, "f16 d times an int8: a 19-bit product, exact in fp32")
 register("dequant_q4_0", _gguf("q4_0"), 0.0, "f16 d times (q - 8): a 16-bit product, exact in fp32")
+register("dequant_f16", _gguf("f16"), 0.0, "every f16 is exactly an fp32")
 register("dequant_q4_1", _gguf("q4_1"), 1e-14,
          "d * q is exact in fp32, adding the f16 m rounds once: |err| <= 2^-24 |w| -> NMSE <= 3.6e-15")

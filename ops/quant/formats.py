@@ -5,6 +5,7 @@ A weight W is N x K (rows = output features, as GGUF stores (out, in)), quantize
   q4_0      GGUF: blocks of 32, f16 d, w = d * (q - 8)                      18 bytes / 32 weights
   q4_1      GGUF: blocks of 32, f16 d and m, w = d * q + m                   20 bytes / 32
   q8_0      GGUF: blocks of 32, f16 d, int8 q, w = d * q                     34 bytes / 32
+  f16       GGUF F16: every weight a half, widened exactly as it is read     64 bytes / 32
   int4      vkdsl: symmetric groups of 64, s = absmax / 7 (f32), codes -8..7  36 bytes / 64
   int4_f16  the same with f16 scales                                          34 bytes / 64
   nf4       QLoRA NormalFloat-4: blocks of 64, w = NF4[q] * absmax; absmaxes
@@ -50,8 +51,9 @@ FORMATS = {
     "int4": Format("int4", 64, {"FMT_INT4": 1, "INT4_F16": 0}, ("scale", "qs")),
     "int4_f16": Format("int4_f16", 64, {"FMT_INT4": 1, "INT4_F16": 1}, ("scale", "qs")),
     "nf4": Format("nf4", 64, {"FMT_NF4": 1}, ("amax_code", "group", "qs")),
+    "f16": Format("f16", 32, {"FMT_F16": 1}, ("w",), "F16"),
 }
-_GGUF_BLOCK = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+_GGUF_BLOCK = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "f16": 64}     # bytes per 32 weights
 
 
 def get_format(fmt) -> Format:
@@ -93,7 +95,7 @@ def array_nbytes(fmt, N: int, K: int) -> list[int]:
     up4 = lambda n: -(-n // 4) * 4
     return {"q4_0": [up4(2 * r), 16 * r], "q4_1": [4 * r, 16 * r], "q8_0": [up4(2 * r), 32 * r],
             "int4": [4 * g, 16 * r], "int4_f16": [up4(2 * g), 16 * r],
-            "nf4": [up4(g), 8 * -(-g // NF4_GROUP), 16 * r]}[f.name]
+            "nf4": [up4(g), 8 * -(-g // NF4_GROUP), 16 * r], "f16": [64 * r]}[f.name]
 
 
 @dataclass
@@ -150,6 +152,8 @@ def from_gguf(data: np.ndarray, qtype, shape=None) -> QuantizedWeight:
     if blocks.nbytes != N * K // 32 * bb:
         raise ValueError(f"{f.name} {N} x {K}: expected {N * K // 32 * bb} bytes of blocks, got {blocks.nbytes}")
     blocks = blocks.reshape(-1, bb)
+    if f.name == "f16":
+        return QuantizedWeight("f16", (N, K), (blocks,))
     scale_bytes = 4 if f.name == "q4_1" else 2           # d (and m) lead each block
     return QuantizedWeight(f.name, (N, K), (blocks[:, :scale_bytes], blocks[:, scale_bytes:]))
 
@@ -216,7 +220,9 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     r = N * K // 32
     f = qw.fmt
     a = qw.arrays
-    if f == "q8_0":
+    if f == "f16":
+        w = a[0].view(np.float16).astype(np.float32)
+    elif f == "q8_0":
         d = a[0].view(np.float16)[:r].astype(np.float32)
         w = d[:, None] * a[1].view(np.int8).reshape(r, 32).astype(np.float32)
     elif f in ("q4_0", "q4_1"):

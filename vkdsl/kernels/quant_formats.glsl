@@ -10,6 +10,8 @@
 #include "quant_int4.glsl"
 #elif defined(FMT_NF4)
 #include "quant_nf4.glsl"
+#elif defined(FMT_F16)
+#include "quant_f16.glsl"
 #else
 #error no FMT_* define
 #endif
