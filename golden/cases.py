@@ -331,6 +331,18 @@ def _f16_weights(r, nb):
     return _f16_bytes(w).reshape(nb, 64)
 
 
+def _kquant(nbytes, f16_at):
+    """K-quant super-blocks: random code, scale and high-bit bytes; finite f16 scales of either
+    sign at the given byte offsets (d, and dmin right after it for Q4_K / Q5_K)."""
+    def make(r, nb):
+        b = r.integers(0, 256, (nb, nbytes)).astype(np.uint8)
+        for at in f16_at:
+            k = 2 if nbytes == 210 else 4
+            b[:, at:at + k] = _f16_bytes(SIGNED(r, U(r, (nb * k // 2,), 1e-3, 2e-2))).reshape(nb, k)
+        return b
+    return make
+
+
 def _q4_0(r, nb):
     d = SIGNED(r, U(r, (nb,), 1e-4, 1e-2))
     return np.concatenate([_f16_bytes(d), r.integers(0, 256, (nb, 16)).astype(np.uint8)], 1)
@@ -360,6 +372,11 @@ def quant_cases():
         for rows, cols in [(1, 32), (3, 64), (7, 576)]:
             out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
                             lambda r, f=fn, n=rows * cols // 32: [f(r, n).ravel()]))
+    for op, fn in [("dequant_q4_k", _kquant(144, (0,))), ("dequant_q5_k", _kquant(176, (0,))),
+                   ("dequant_q6_k", _kquant(210, (208,)))]:
+        for rows, cols in [(1, 256), (3, 512)]:
+            out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
+                            lambda r, f=fn, n=rows * cols // 256: [f(r, n).ravel()]))
     return out
 
 

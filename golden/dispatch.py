@@ -127,6 +127,8 @@ PHASE2: dict[str, Callable] = {
     "int4_roundtrip": _int4, "nf4_roundtrip": _nf4,
     "dequant_q8_0": _dequant(Q.dequant_q8_0), "dequant_q4_0": _dequant(Q.dequant_q4_0),
     "dequant_q4_1": _dequant(Q.dequant_q4_1), "dequant_f16": _dequant(Q.dequant_f16),
+    "dequant_q4_k": _dequant(Q.dequant_q4_k), "dequant_q5_k": _dequant(Q.dequant_q5_k),
+    "dequant_q6_k": _dequant(Q.dequant_q6_k),
 }
 
 # ops whose cases carry an upstream gradient "gout" (same shape as "out")

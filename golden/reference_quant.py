@@ -13,7 +13,8 @@ def _f64(x) -> np.ndarray:
 
 __all__ = ["int4_quantize", "int4_dequantize", "int4_roundtrip",
            "NF4_CODEBOOK", "nf4_quantize", "nf4_dequantize", "nf4_roundtrip",
-           "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1", "dequant_f16"]
+           "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1", "dequant_f16",
+           "dequant_q4_k", "dequant_q5_k", "dequant_q6_k"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -191,3 +192,72 @@ def dequant_f16(raw, shape) -> np.ndarray:
     """GGUF F16 bytes (little-endian halves, row-major) -> float64 (rows, cols)."""
     b = _blocks(raw, shape, 64)
     return np.ascontiguousarray(b).reshape(-1, 2).view("<f2").astype(np.float64).reshape(shape)
+
+
+# GGUF K-quants: super-blocks of 256 weights (shape = (rows, cols), cols % 256 == 0)
+#   Q4_K: 144 bytes = f16 d, f16 dmin, 12 bytes of 6-bit scale/min codes, 128 bytes of nibbles
+#         range j (32 weights): w = d * sc_j * q - dmin * m_j, q = nibble (j % 2) of byte 32 (j / 2) + e
+#         codes: j < 4: sc = s[j] & 63, m = s[j+4] & 63;
+#                j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, m = (s[j+4] >> 4) | (s[j] >> 6) << 4
+#   Q5_K: 176 bytes = d, dmin, 12 code bytes, 32 bytes qh (bit j of byte e: bit 4 of range j's
+#         element e), 128 bytes of nibbles as Q4_K
+#   Q6_K: 210 bytes = 128 ql, 64 qh, 16 int8 scales (one per 16 weights), f16 d;
+#         w[t] = d * sc[t / 16] * (q - 32), h = t / 128, u = t % 128,
+#         q = nibble (u / 64) of ql[64 h + u % 64] | ((qh[32 h + u % 32] >> 2 (u / 32)) & 3) << 4
+
+def _kscales(s) -> tuple[np.ndarray, np.ndarray]:
+    s = s.astype(np.int64)
+    sc, m = np.zeros((len(s), 8), np.int64), np.zeros((len(s), 8), np.int64)
+    for j in range(8):
+        if j < 4:
+            sc[:, j], m[:, j] = s[:, j] & 63, s[:, j + 4] & 63
+        else:
+            sc[:, j] = (s[:, j + 4] & 15) | ((s[:, j - 4] >> 6) << 4)
+            m[:, j] = (s[:, j + 4] >> 4) | ((s[:, j] >> 6) << 4)
+    return sc, m
+
+
+def _k_blocks(raw, shape, nbytes):
+    rows, cols = shape
+    if cols % 256:
+        raise ValueError(f"cols {cols} is not a multiple of 256")
+    b = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8).ravel())
+    if b.size != rows * cols // 256 * nbytes:
+        raise ValueError(f"expected {rows * cols // 256 * nbytes} bytes for shape {tuple(shape)}, got {b.size}")
+    return b.reshape(-1, nbytes)
+
+
+def _q45_k(raw, shape, five: bool) -> np.ndarray:
+    b = _k_blocks(raw, shape, 176 if five else 144)
+    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    sc, m = _kscales(b[:, 4:16])
+    qs = b[:, 48:176] if five else b[:, 16:144]
+    out = np.zeros((len(b), 256), np.float64)
+    e = np.arange(32)
+    for j in range(8):
+        q = (qs[:, 32 * (j // 2) + e].astype(np.int64) >> (4 * (j % 2))) & 15
+        if five:
+            q = q | (((b[:, 16 + e].astype(np.int64) >> j) & 1) << 4)
+        out[:, 32 * j + e] = (d * sc[:, j])[:, None] * q - (dmin * m[:, j])[:, None]
+    return out.reshape(shape)
+
+
+def dequant_q4_k(raw, shape) -> np.ndarray:
+    """GGUF Q4_K bytes -> float64 (rows, cols)."""
+    return _q45_k(raw, shape, False)
+
+
+def dequant_q5_k(raw, shape) -> np.ndarray:
+    """GGUF Q5_K bytes -> float64 (rows, cols)."""
+    return _q45_k(raw, shape, True)
+
+
+def dequant_q6_k(raw, shape) -> np.ndarray:
+    """GGUF Q6_K bytes -> float64 (rows, cols)."""
+    b = _k_blocks(raw, shape, 210)
+    ql, qh = b[:, 0:128].astype(np.int64), b[:, 128:192].astype(np.int64)
+    sc, d = b[:, 192:208].view(np.int8).astype(np.float64), _f16(b[:, 208:210])
+    t = np.arange(256)
+    h, u = t // 128, t % 128
+    q = ((ql[:, 64 * h + u % 64] >> (4 * (u // 64))) & 15) | (((qh[:, 32 * h + u % 32] >> (2 * (u // 32))) & 3) << 4)
+    return (d[:, None] * sc[:, t // 16] * (q - 32)).reshape(shape)

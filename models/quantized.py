@@ -15,7 +15,8 @@ from vkdsl.ops import quant
 from .tensors import TensorRecord
 
 # stored types kept as they are on the device (F16: half the bytes of fp32, read by unpackHalf2x16)
-PACKED_GGUF = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "F16": "f16"}
+PACKED_GGUF = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0", "F16": "f16",
+               "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
 
 def wants_packed(rec: TensorRecord, quant_mode: str) -> bool:

@@ -10,13 +10,17 @@ from vkdsl.ops import quant
 from vkdsl.runtime import Buffer, Recording
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "f16", "int4", "nf4"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "f16", "q4_k", "q5_k", "q6_k", "int4", "nf4"])
 @pytest.mark.parametrize("M", [1, 3, 4])
 def test_qmatvec(dev, fmt, M):
     rng = np.random.default_rng(M)
-    N, K = 70, 128
+    N, K = 70, (256 if fmt.endswith("_k") else 128)
     w = rng.standard_normal((N, K)).astype(np.float32)
-    if fmt.startswith("q") or fmt == "f16":
+    if fmt.endswith("_k"):                               # random super-blocks, decoded by gguf
+        from test_quant_kernels import kquant_blocks
+        raw, ref_w = kquant_blocks(fmt, N, K, seed=M)
+        qw = quant.from_gguf(raw, fmt.upper(), (N, K))
+    elif fmt.startswith("q") or fmt == "f16":
         qt = getattr(gguf.GGMLQuantizationType, fmt.upper())
         raw = gguf.quants.quantize(w, qt)
         qw, ref_w = quant.from_gguf(raw, fmt.upper(), (N, K)), gguf.quants.dequantize(raw, qt)

@@ -20,11 +20,33 @@ from vkdsl.runtime import Buffer, Recording
 
 SENTINEL = np.float32(-12345.5)
 U32 = 2.0 ** -24
-FORMATS = ["q4_0", "q4_1", "q8_0", "f16", "int4", "int4_f16", "nf4"]
+FORMATS = ["q4_0", "q4_1", "q8_0", "f16", "q4_k", "q5_k", "q6_k", "int4", "int4_f16", "nf4"]
+KQUANTS = ("q4_k", "q5_k", "q6_k")
+
+
+def kquant_blocks(fmt, N, K, seed=0):
+    """Random GGUF K-quant super-blocks (gguf-py has no K-quant quantizer): random code, scale and
+    high-bit bytes with finite f16 d and dmin of either sign -> (raw (N, row bytes), gguf's decode)."""
+    gt = getattr(GT, fmt.upper())
+    per, nbytes = gguf.GGML_QUANT_SIZES[gt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (N * K // per, nbytes)).astype(np.uint8)
+    d = (rng.uniform(0.5, 2.0, (len(raw), 2)) * rng.choice([-1, 1], (len(raw), 2)) * 1e-2).astype("<f2")
+    if fmt == "q6_k":
+        raw[:, 208:210] = d[:, :1].view(np.uint8)
+    else:
+        raw[:, 0:4] = d.view(np.uint8)
+    raw = raw.reshape(N, -1)
+    return raw, gguf.quants.dequantize(raw, gt).astype(np.float32)
 
 
 def make_weight(fmt, N, K, seed=0):
     """(QuantizedWeight, reference fp32 weight from an independent decoder where one exists)."""
+    if fmt in KQUANTS:
+        raw, ref = kquant_blocks(fmt, N, K, seed)
+        qw = Q.from_gguf(raw, fmt)
+        assert qw.device_bytes == raw.nbytes + (2 if fmt == "q6_k" and (N * K // 256) % 2 else 0)
+        return qw, ref
     w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32)
     if fmt.startswith("q") or fmt == "f16":
         gt = getattr(GT, fmt.upper())
@@ -62,7 +84,7 @@ def read_checked(buf, n, what):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_dequant(dev, fmt):
-    N, K = 33, 128
+    N, K = 33, (256 if fmt in KQUANTS else 128)
     qw, ref = make_weight(fmt, N, K)
     # host unpacking of the device arrays against the independent decoder: the same float32
     # operations (d * q, d * q + m, codebook * absmax), so equal to 1 ulp
@@ -94,7 +116,7 @@ def test_gguf_bytes_are_the_block_bytes(fmt):
 def test_qmatmul(dev, fmt, form, variant):
     # M = 17 and N = 40 cut tiles at their edges; q4_1 takes N = 33 too (nt output rows not a
     # multiple of 4: scalar stores), once, to keep pipeline builds few
-    N, K, M = (33 if fmt == "q4_1" else 40), 128, 17
+    N, K, M = (33 if fmt == "q4_1" else 40), (256 if fmt in KQUANTS else 128), 17
     qw, w = make_weight(fmt, N, K, seed=1)
     red, cols = (K, N) if form == "nt" else (N, K)
     x = np.random.default_rng(2).standard_normal((M, red)).astype(np.float32)
@@ -219,3 +241,29 @@ def test_shape_checks(dev):
     with pytest.raises(ValueError, match="takes 2 arrays"):
         Q.record_qmatmul(rec, p, Buffer(dev, 64), Buffer(dev, 512), *Q.upload_weight(dev, qw)[:1])
     rec.release()
+
+
+@pytest.mark.parametrize("fmt", KQUANTS)
+def test_golden_kquant_decoders_agree_with_gguf(fmt):
+    """The float64 K-quant decoders of the goldens (written from the format definitions) against
+    the gguf package's own: two independent readings of the same bytes."""
+    from vkdsl_golden import reference_quant as R
+    raw, ref = kquant_blocks(fmt, 5, 512, seed=9)
+    ours = getattr(R, f"dequant_{fmt}")(raw, (5, 512))
+    assert np.max(np.abs(ours - ref)) <= 1e-6 * np.max(np.abs(ref))
+
+
+def test_kquant_weights_are_packed_and_multiply_as_gguf_decodes(dev):
+    """A Q4_K / Q6_K weight as a model loads it (models.weights): kept packed, x @ W^T."""
+    import vkdsl
+    from vkdsl.models.quantized import Packed
+    from vkdsl.models.tensors import TensorRecord
+    from vkdsl.models.weights import device_weight
+    x = np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32)
+    for fmt in ("q4_k", "q6_k"):
+        raw, w = kquant_blocks(fmt, 40, 512, seed=6)
+        W = device_weight(TensorRecord("w", fmt.upper(), (40, 512), raw))
+        assert isinstance(W, Packed) and W.fmt == fmt
+        got = W(vkdsl.tensor(x)).numpy()
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref)), fmt

@@ -88,5 +88,11 @@ register("nf4_roundtrip", _nf4, 1e-5,
 register("dequant_q8_0", _gguf("q8_0"), 0.0, "f16 d times an int8: a 19-bit product, exact in fp32")
 register("dequant_q4_0", _gguf("q4_0"), 0.0, "f16 d times (q - 8): a 16-bit product, exact in fp32")
 register("dequant_f16", _gguf("f16"), 0.0, "every f16 is exactly an fp32")
+for _k in ("q4_k", "q5_k"):
+    register(f"dequant_{_k}", _gguf(_k), 1.5e-14,
+             "d * sc and dmin * m are exact in fp32 (11-bit times 6-bit); times q and minus the offset rounds once or "
+             "twice (an FMA may fuse them): |err| <= 2^-23 |w| -> NMSE <= 1.4e-14")
+register("dequant_q6_k", _gguf("q6_k"), 0.0, "d * sc (11-bit times 8-bit) times (q - 32) (7-bit): a 26-bit product, "
+         "exact in fp32")
 register("dequant_q4_1", _gguf("q4_1"), 1e-14,
          "d * q is exact in fp32, adding the f16 m rounds once: |err| <= 2^-24 |w| -> NMSE <= 3.6e-15")

@@ -6,6 +6,11 @@ A weight W is N x K (rows = output features, as GGUF stores (out, in)), quantize
   q4_1      GGUF: blocks of 32, f16 d and m, w = d * q + m                   20 bytes / 32
   q8_0      GGUF: blocks of 32, f16 d, int8 q, w = d * q                     34 bytes / 32
   f16       GGUF F16: every weight a half, widened exactly as it is read     64 bytes / 32
+  q4_k      GGUF: super-blocks of 256, f16 d and dmin, 6-bit scale and min
+            codes per 32, w = d * sc * q - dmin * m (q 4-bit)                144 bytes / 256
+  q5_k      the same with 5-bit q (a fifth bit per weight in qh)             176 bytes / 256
+  q6_k      GGUF: super-blocks of 256, f16 d, int8 scale per 16,
+            w = d * sc * (q - 32) (q 6-bit)                                  210 bytes / 256
   int4      vkdsl: symmetric groups of 64, s = absmax / 7 (f32), codes -8..7  36 bytes / 64
   int4_f16  the same with f16 scales                                          34 bytes / 64
   nf4       QLoRA NormalFloat-4: blocks of 64, w = NF4[q] * absmax; absmaxes
@@ -52,8 +57,18 @@ FORMATS = {
     "int4_f16": Format("int4_f16", 64, {"FMT_INT4": 1, "INT4_F16": 1}, ("scale", "qs")),
     "nf4": Format("nf4", 64, {"FMT_NF4": 1}, ("amax_code", "group", "qs")),
     "f16": Format("f16", 32, {"FMT_F16": 1}, ("w",), "F16"),
+    "q4_k": Format("q4_k", 256, {"FMT_Q4_K": 1}, ("dm", "sc", "qs"), "Q4_K"),
+    "q5_k": Format("q5_k", 256, {"FMT_Q5_K": 1}, ("dm", "sc", "qh", "qs"), "Q5_K"),
+    "q6_k": Format("q6_k", 256, {"FMT_Q6_K": 1}, ("d", "sc", "ql", "qh"), "Q6_K"),
 }
-_GGUF_BLOCK = {"q4_0": 18, "q4_1": 20, "q8_0": 34, "f16": 64}     # bytes per 32 weights
+# GGUF block formats: (weights per block, bytes per block)
+_GGUF_BLOCK = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "f16": (32, 64),
+               "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+# where each device array lies in a block (byte ranges, in the format's array order)
+_BLOCK_ARRAYS = {"q4_0": ((0, 2), (2, 18)), "q4_1": ((0, 4), (4, 20)), "q8_0": ((0, 2), (2, 34)),
+                 "f16": ((0, 64),), "q4_k": ((0, 4), (4, 16), (16, 144)),
+                 "q5_k": ((0, 4), (4, 16), (16, 48), (48, 176)),
+                 "q6_k": ((208, 210), (192, 208), (0, 128), (128, 192))}
 
 
 def get_format(fmt) -> Format:
@@ -73,7 +88,8 @@ def format_bytes(fmt, N: int, K: int) -> int:
     """Bytes of the packed block format itself, without the device arrays' padding."""
     f = get_format(fmt)
     if f.gguf:
-        return N * K // 32 * _GGUF_BLOCK[f.name]
+        per, nbytes = _GGUF_BLOCK[f.name]
+        return N * K // per * nbytes
     groups = N * K // 64
     if f.name == "nf4":
         return groups * 33 + -(-groups // NF4_GROUP) * 8
@@ -91,8 +107,11 @@ def array_nbytes(fmt, N: int, K: int) -> list[int]:
     """Sizes of the device arrays (binding order) of an N x K weight."""
     f = get_format(fmt)
     check_shape(f, N, K)
-    r, g = N * K // 32, N * K // 64
+    r, g, sb = N * K // 32, N * K // 64, N * K // 256
     up4 = lambda n: -(-n // 4) * 4
+    if f.name in ("q4_k", "q5_k", "q6_k"):
+        return {"q4_k": [4 * sb, 12 * sb, 128 * sb], "q5_k": [4 * sb, 12 * sb, 32 * sb, 128 * sb],
+                "q6_k": [up4(2 * sb), 16 * sb, 128 * sb, 64 * sb]}[f.name]
     return {"q4_0": [up4(2 * r), 16 * r], "q4_1": [4 * r, 16 * r], "q8_0": [up4(2 * r), 32 * r],
             "int4": [4 * g, 16 * r], "int4_f16": [up4(2 * g), 16 * r],
             "nf4": [up4(g), 8 * -(-g // NF4_GROUP), 16 * r], "f16": [64 * r]}[f.name]
@@ -140,22 +159,19 @@ def from_gguf(data: np.ndarray, qtype, shape=None) -> QuantizedWeight:
     f = get_format(qtype)
     if not f.gguf:
         raise ValueError(f"{f.name} is not a GGUF block format")
-    bb = _GGUF_BLOCK[f.name]
+    per, bb = _GGUF_BLOCK[f.name]
     raw = np.ascontiguousarray(data).view(np.uint8)
     if shape is None:
         if raw.ndim != 2:
             raise ValueError("pass shape=(N, K) with flat GGUF data")
-        shape = (raw.shape[0], raw.shape[1] // bb * 32)
+        shape = (raw.shape[0], raw.shape[1] // bb * per)
     N, K = int(shape[0]), int(shape[1])
     check_shape(f, N, K)
     blocks = raw.reshape(-1)
-    if blocks.nbytes != N * K // 32 * bb:
-        raise ValueError(f"{f.name} {N} x {K}: expected {N * K // 32 * bb} bytes of blocks, got {blocks.nbytes}")
+    if blocks.nbytes != N * K // per * bb:
+        raise ValueError(f"{f.name} {N} x {K}: expected {N * K // per * bb} bytes of blocks, got {blocks.nbytes}")
     blocks = blocks.reshape(-1, bb)
-    if f.name == "f16":
-        return QuantizedWeight("f16", (N, K), (blocks,))
-    scale_bytes = 4 if f.name == "q4_1" else 2           # d (and m) lead each block
-    return QuantizedWeight(f.name, (N, K), (blocks[:, :scale_bytes], blocks[:, scale_bytes:]))
+    return QuantizedWeight(f.name, (N, K), tuple(blocks[:, a:b] for a, b in _BLOCK_ARRAYS[f.name]))
 
 
 def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -220,6 +236,8 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     r = N * K // 32
     f = qw.fmt
     a = qw.arrays
+    if f in ("q4_k", "q5_k", "q6_k"):
+        return _kquant_dequantize(qw)
     if f == "f16":
         w = a[0].view(np.float16).astype(np.float32)
     elif f == "q8_0":
@@ -244,3 +262,16 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     else:
         raise ValueError(f"unknown format {f}")
     return w.astype(np.float32).reshape(N, K)
+
+
+def _kquant_dequantize(qw: QuantizedWeight) -> np.ndarray:
+    """K-quants: the device arrays put back into GGUF super-blocks, decoded by the gguf package."""
+    import gguf
+    per, bb = _GGUF_BLOCK[qw.fmt]
+    N, K = qw.shape
+    nb = N * K // per
+    blocks = np.zeros((nb, bb), np.uint8)
+    for arr, (a, b) in zip(qw.arrays, _BLOCK_ARRAYS[qw.fmt]):
+        blocks[:, a:b] = arr[:nb * (b - a)].reshape(nb, b - a)
+    qt = getattr(gguf.GGMLQuantizationType, qw.fmt.upper())
+    return gguf.quants.dequantize(blocks, qt).astype(np.float32).reshape(N, K)

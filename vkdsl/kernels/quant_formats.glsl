@@ -12,6 +12,10 @@
 #include "quant_nf4.glsl"
 #elif defined(FMT_F16)
 #include "quant_f16.glsl"
+#elif defined(FMT_Q4_K) || defined(FMT_Q5_K)
+#include "quant_q4_k.glsl"
+#elif defined(FMT_Q6_K)
+#include "quant_q6_k.glsl"
 #else
 #error no FMT_* define
 #endif
