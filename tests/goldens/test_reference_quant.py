@@ -93,6 +93,23 @@ def test_gguf_dequant_matches_gguf_package(name):
         assert np.array_equal(a["out"], fn(a["in0"], (rows, cols)))
 
 
+@pytest.mark.parametrize("name", ["F16", "Q4_K", "Q5_K", "Q6_K"])
+def test_stored_f16_and_kquant_cases_match_the_gguf_package(name):
+    """The stored random-byte cases of the newer formats, decoded again by gguf: the goldens'
+    decoders (written from the definitions) and gguf's agree (to fp32 rounding of d * sc * q - m)."""
+    import gguf
+    qt = getattr(gguf.GGMLQuantizationType, name)
+    fn = getattr(Q, "dequant_" + name.lower())
+    stored = cases("dequant_" + name.lower())
+    assert stored
+    for c in stored:
+        a = load_case(c)
+        rows, cols = c["params"]["shape"]
+        theirs = gguf.quants.dequantize(a["in0"].astype(np.uint8).reshape(rows, -1), qt).astype(np.float64)
+        assert np.max(np.abs(a["out"] - theirs)) <= 1e-6 * np.max(np.abs(theirs)), c["name"]
+        assert np.array_equal(a["out"], fn(a["in0"], (rows, cols)))
+
+
 def test_q4_nibble_order_low_first():
     # a single Q4_1 block with d=1, m=0: byte j = (j+16) << 4 | j encodes elements j and j+16
     blk = np.concatenate([np.array([1.0, 0.0], "<f2").view(np.uint8),
