@@ -27,10 +27,22 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope(x: np.ndarray, base: float) -> np.ndarray:
-    """Rotate pairs (2i, 2i+1) of each head of x (T, heads, hd) by pos * base^(-2i/hd)."""
+def llama3_inv_freq(hd: int, base: float, factor: float, low: float, high: float, old_ctx: int) -> np.ndarray:
+    """Llama 3.x scaled RoPE frequencies (the published rule): wavelengths under old_ctx / high
+    keep their frequency, those over old_ctx / low are divided by factor, the rest interpolate
+    between the two with weight s = (old_ctx / wavelength - low) / (high - low)."""
+    inv = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+    wl = 2 * np.pi / inv
+    s = np.clip((old_ctx / wl - low) / (high - low), 0.0, 1.0)
+    return (1 - s) * inv / factor + s * inv
+
+
+def rope(x: np.ndarray, base: float, inv_freq=None) -> np.ndarray:
+    """Rotate pairs (2i, 2i+1) of each head of x (T, heads, hd) by pos * base^(-2i/hd), or by
+    pos * inv_freq[i] when the frequencies are given (a scaled RoPE)."""
     T, _, hd = x.shape
-    inv_freq = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)   # (hd/2,)
+    if inv_freq is None:
+        inv_freq = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)   # (hd/2,)
     angle = np.arange(T, dtype=np.float64)[:, None] * inv_freq          # (T, hd/2)
     cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]     # (T, 1, hd/2)
     even, odd = x[..., 0::2], x[..., 1::2]
@@ -55,7 +67,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
 def forward(weights: dict, cfg: dict, tokens) -> np.ndarray:
     """Logits (T, vocab) float64 for token ids `tokens` at positions 0..T-1.
 
-    cfg keys: n_layers, n_heads, n_kv_heads, head_dim, rope_base, norm_eps.
+    cfg keys: n_layers, n_heads, n_kv_heads, head_dim, rope_base, norm_eps; optional inv_freq
+    (the RoPE frequencies of a scaled RoPE, float64 (head_dim/2,)).
     Logits use output.weight, or token_embd.weight when it is absent (tied embeddings).
     """
     def w(name: str) -> np.ndarray:
@@ -69,8 +82,8 @@ def forward(weights: dict, cfg: dict, tokens) -> np.ndarray:
     for i in range(int(cfg["n_layers"])):
         p = f"blk.{i}."
         h = rms_norm(x, w(p + "attn_norm.weight"), eps)
-        q = rope((h @ w(p + "attn_q.weight").T).reshape(T, H, hd), base)
-        k = rope((h @ w(p + "attn_k.weight").T).reshape(T, KV, hd), base)
+        q = rope((h @ w(p + "attn_q.weight").T).reshape(T, H, hd), base, cfg.get("inv_freq"))
+        k = rope((h @ w(p + "attn_k.weight").T).reshape(T, KV, hd), base, cfg.get("inv_freq"))
         v = (h @ w(p + "attn_v.weight").T).reshape(T, KV, hd)
         x = x + attention(q, k, v) @ w(p + "attn_output.weight").T
         h = rms_norm(x, w(p + "ffn_norm.weight"), eps)
@@ -231,6 +244,10 @@ def load_gguf(path: str) -> tuple[dict, dict, dict]:
                norm_eps=float(key("llama.attention.layer_norm_rms_epsilon")))
     weights = {t.name: dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
                for t in reader.tensors}
+    if "rope_freqs.weight" in weights:       # llama.cpp's Llama 3.x RoPE: frequencies divided by these
+        hd = cfg["head_dim"]
+        cfg["inv_freq"] = (cfg["rope_base"] ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+                           / weights.pop("rope_freqs.weight").astype(np.float64))
     tokens, types = key("tokenizer.ggml.tokens"), key("tokenizer.ggml.token_type")
     vocab = dict(tokens=tokens, merges=key("tokenizer.ggml.merges"),
                  specials=[t for t, k in zip(tokens, types) if k in (3, 4)],   # control, user

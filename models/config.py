@@ -1,7 +1,10 @@
 """Hyper-parameters of a Llama-architecture model, validated once at load time."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from .errors import ModelFileError
 
@@ -25,6 +28,9 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_id: int | None = None
     pad_id: int | None = None
+    # RoPE frequency divisors (head_dim / 2 of them): inv_freq_i = base^(-2i/head_dim) / d_i, as
+    # llama.cpp's rope_freqs.weight tensor holds them; None = plain RoPE. Llama 3.x's scaling.
+    rope_freq_divisors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
@@ -43,6 +49,10 @@ class LlamaConfig:
             raise ModelFileError(f"LlamaConfig.rope_base must be > 1, got {self.rope_base!r}")
         if not 0.0 < self.norm_eps < 1.0:
             raise ModelFileError(f"LlamaConfig.norm_eps must be in (0, 1), got {self.norm_eps!r}")
+        d = self.rope_freq_divisors
+        if d is not None and (len(d) != self.head_dim // 2 or not all(math.isfinite(x) and x > 0 for x in d)):
+            raise ModelFileError(f"LlamaConfig.rope_freq_divisors must be {self.head_dim // 2} positive finite "
+                                 f"numbers (one per RoPE frequency), got {len(d)}")
         for key in ("bos_id", "eos_id", "pad_id"):
             value = getattr(self, key)
             if value is not None and not 0 <= value < self.vocab_size:
@@ -60,3 +70,27 @@ class LlamaConfig:
     def to_dict(self) -> dict:
         """Plain dict, the form golden/llama_ref.py takes (it must not import this module)."""
         return asdict(self)
+
+
+def llama3_divisors(head_dim: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_context: int) -> tuple[float, ...]:
+    """Llama 3.x RoPE scaling as per-frequency divisors: frequencies whose wavelength is shorter
+    than original_context / high_freq_factor keep their value, those longer than original_context /
+    low_freq_factor are divided by factor, and the ones between are blended linearly in
+    original_context / wavelength (float32, as a GGUF file stores them)."""
+    if not (factor > 0 and high_freq_factor > low_freq_factor > 0 and original_context > 0):
+        raise ModelFileError(f"llama3 RoPE scaling: factor {factor}, low_freq_factor {low_freq_factor}, "
+                             f"high_freq_factor {high_freq_factor}, original context {original_context}: expected "
+                             f"factor > 0, high_freq_factor > low_freq_factor > 0, a positive context")
+    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv
+    out = []
+    for w in wavelen:
+        if w < original_context / high_freq_factor:
+            out.append(1.0)
+        elif w > original_context / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = (original_context / w - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return tuple(float(np.float32(x)) for x in out)

@@ -105,6 +105,13 @@ def config_from_gguf(reader: GGUFReader, path: Path | str) -> LlamaConfig:
         raise ModelFileError(f"{path}: llama.rope.scaling.type = {scaling!r}; unsupported")
 
     names = {t.name: t for t in reader.tensors}
+    freqs = names.get("rope_freqs.weight")
+    divisors = None
+    if freqs is not None:                 # Llama 3.x scaling, as llama.cpp stores it
+        if freqs.tensor_type.name != "F32" or int(np.prod(freqs.shape)) != head_dim // 2:
+            raise ModelFileError(f"{path}: rope_freqs.weight must be {head_dim // 2} F32 values (one per RoPE "
+                                 f"frequency), found {freqs.tensor_type.name} of shape {tuple(freqs.shape)}")
+        divisors = tuple(float(x) for x in np.asarray(freqs.data, np.float32).ravel())
     vocab = key("vocab_size", None)
     if vocab is None:
         embd = names.get("token_embd.weight")
@@ -125,7 +132,8 @@ def config_from_gguf(reader: GGUFReader, path: Path | str) -> LlamaConfig:
             norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
             context_length=int(key("context_length", 2048)),
             tied_embeddings="output.weight" not in names,
-            bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("padding"))
+            bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("padding"),
+            rope_freq_divisors=divisors)
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
 
@@ -141,6 +149,8 @@ def load_gguf(path: str | os.PathLike, reader: GGUFReader | None = None) -> Llam
         # F32/F16 come back as float arrays, quantized types as (rows, row_bytes) uint8:
         # view both as raw bytes so the device path sees one format.
         raw = np.asarray(t.data).view(np.uint8)
+        if t.name == "rope_freqs.weight":      # read into the config (rope_freq_divisors)
+            continue
         tensors[t.name] = TensorRecord(t.name, t.tensor_type.name, shape, raw)
     check_tensors(tensors, cfg, path)   # names, shapes, types and byte counts
     return LlamaCheckpoint(cfg, tensors, path, "gguf")

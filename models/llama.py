@@ -88,7 +88,7 @@ class Llama:
         self.head = device_weight(ckpt["output.weight"], quant) if "output.weight" in ckpt.tensors \
             else self.embed.as_linear()
         self._lora = AdapterTable()   # module name (blk.{i}.attn_q) -> ops.lora.LoRA
-        cos, sin = nn.rope_tables(np.arange(c.context_length), c.head_dim, c.rope_base)
+        cos, sin = nn.rope_tables(np.arange(c.context_length), c.head_dim, c.rope_base, c.rope_freq_divisors)
         self._cos, self._sin = vkdsl.tensor(cos, name="rope_cos"), vkdsl.tensor(sin, name="rope_sin")
 
     @property

@@ -15,7 +15,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from .config import LlamaConfig
+from .config import LlamaConfig, llama3_divisors
 from .errors import ModelFileError
 from .tensors import LlamaCheckpoint, TensorRecord, check_tensors
 
@@ -137,9 +137,7 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
     """LlamaConfig from a HF config.json dict (model_type must be llama)."""
     if cfg.get("model_type") != "llama":
         raise ModelFileError(f"{path}: model_type is {cfg.get('model_type')!r}, expected 'llama'")
-    if cfg.get("rope_scaling"):
-        raise ModelFileError(f"{path}: rope_scaling = {cfg['rope_scaling']!r}; unsupported")
-    rope_base = _rope_theta(cfg, path)
+    rope_base, divisors = _rope(cfg, path)
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise ModelFileError(f"{path}: {key} = true; unsupported (plain Llama has no biases)")
@@ -166,33 +164,52 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
             context_length=int(cfg.get("max_position_embeddings", 2048)),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_id=first_id("bos_token_id"), eos_id=first_id("eos_token_id"),
-            pad_id=first_id("pad_token_id"))
+            pad_id=first_id("pad_token_id"), rope_freq_divisors=divisors)
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
 
 
-def _rope_theta(cfg: dict, path: Path) -> float:
-    """RoPE base from either form transformers writes: 4.x `rope_theta` at the top level, 5.x
-    `rope_parameters` {rope_theta, rope_type}. Anything else there changes the computation and is
-    refused by name, never replaced by a default."""
-    params = cfg.get("rope_parameters")
-    top = cfg.get("rope_theta")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope(cfg: dict, path: Path) -> tuple[float, tuple | None]:
+    """(RoPE base, frequency divisors or None) from either form transformers writes: 4.x
+    `rope_theta` and `rope_scaling` at the top level, 5.x `rope_parameters` {rope_theta, rope_type,
+    ...}. RoPE types: default, and llama3 (its four keys all required). Anything else changes the
+    computation and is refused by name, never replaced by a default."""
+    params, top, scaling = cfg.get("rope_parameters"), cfg.get("rope_theta"), cfg.get("rope_scaling")
     if params is None:
-        return float(top if top is not None else 10000.0)
+        theta = float(top if top is not None else 10000.0)
+        if not scaling:
+            return theta, None
+        params, where = dict(scaling, rope_theta=theta), "rope_scaling"
+    else:
+        if scaling:
+            raise ModelFileError(f"{path}: both rope_parameters and rope_scaling are set; expected one")
+        where = "rope_parameters"
     if not isinstance(params, dict):
-        raise ModelFileError(f"{path}: rope_parameters = {params!r}, expected an object")
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise ModelFileError(f"{path}: rope_parameters.rope_type = {kind!r}; only 'default' RoPE is supported")
-    unknown = sorted(set(params) - {"rope_theta", "rope_type"})
+        raise ModelFileError(f"{path}: {where} = {params!r}, expected an object")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise ModelFileError(f"{path}: {where}.rope_type = {kind!r}; supported: 'default', 'llama3'")
+    allowed = {"rope_theta", "rope_type", "type"} | (set(LLAMA3_KEYS) if kind == "llama3" else set())
+    unknown = sorted(set(params) - allowed)
     if unknown:
-        raise ModelFileError(f"{path}: rope_parameters has {unknown}, which vkdsl does not implement")
+        raise ModelFileError(f"{path}: {where} has {unknown}, which vkdsl does not implement for rope_type {kind!r}")
     theta = params.get("rope_theta", top)
     if theta is None:
-        raise ModelFileError(f"{path}: rope_parameters has no rope_theta")
+        raise ModelFileError(f"{path}: {where} has no rope_theta")
     if top is not None and float(top) != float(theta):
-        raise ModelFileError(f"{path}: rope_theta {top} and rope_parameters.rope_theta {theta} disagree")
-    return float(theta)
+        raise ModelFileError(f"{path}: rope_theta {top} and {where}.rope_theta {theta} disagree")
+    if kind == "default":
+        return float(theta), None
+    missing = [k for k in LLAMA3_KEYS if params.get(k) is None]
+    if missing:
+        raise ModelFileError(f"{path}: {where} of rope_type 'llama3' lacks {missing}")
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    return float(theta), llama3_divisors(head_dim, float(theta), float(params["factor"]),
+                                         float(params["low_freq_factor"]), float(params["high_freq_factor"]),
+                                         int(params["original_max_position_embeddings"]))
 
 
 def _weight_files(folder: Path) -> list[Path]:

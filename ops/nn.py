@@ -50,9 +50,12 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
     return x * ((x * x).mean(-1, keepdim=True) + eps).rsqrt() * weight
 
 
-def rope_tables(positions, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin of shape (T, head_dim/2): angle = pos * base^(-2i/head_dim), in float64."""
+def rope_tables(positions, head_dim: int, base: float, divisors=None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin of shape (T, head_dim/2): angle = pos * base^(-2i/head_dim) / divisors[i], in
+    float64 (divisors: a scaled RoPE such as Llama 3's; None: plain)."""
     inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if divisors is not None:
+        inv = inv / np.asarray(divisors, np.float64)
     ang = np.asarray(positions, np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 

@@ -47,10 +47,18 @@ def test_missing_tensor(tmp_path, parts):
 
 
 def test_unexpected_tensor(tmp_path, parts):
-    w, cfg, vocab = parts
-    w = dict(w, **{"rope_freqs.weight": np.ones(8, np.float32)})
+    w, cfg, vocab = parts                  # a bias on q (Qwen2 has them; plain Llama does not)
+    w = dict(w, **{"blk.0.attn_q.bias": np.ones(cfg["n_heads"] * cfg["head_dim"], np.float32)})
     path = write_gguf(tmp_path / "extra.gguf", w, cfg, vocab, types={})
-    with pytest.raises(ModelFileError, match=r"extra\.gguf.*'rope_freqs\.weight'"):
+    with pytest.raises(ModelFileError, match=r"extra\.gguf.*'blk\.0\.attn_q\.bias'"):
+        load_gguf(path)
+
+
+def test_rope_freqs_of_the_wrong_length(tmp_path, parts):
+    w, cfg, vocab = parts
+    w = dict(w, **{"rope_freqs.weight": np.ones(cfg["head_dim"] // 2 + 1, np.float32)})
+    path = write_gguf(tmp_path / "freqs.gguf", w, cfg, vocab, types={})
+    with pytest.raises(ModelFileError, match=rf"freqs\.gguf: rope_freqs\.weight must be {cfg['head_dim'] // 2} F32"):
         load_gguf(path)
 
 
