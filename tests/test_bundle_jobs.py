@@ -33,7 +33,7 @@ def job(tmp_path_factory):
     out = run(["compile", "--bundle", str(bundle), "--for", shlex.join(train + ["--out", str(tmp / "with")]),
                "--for", shlex.join(gen)], timeout=900).stdout
     assert "recorded" in out, out
-    return tmp, bundle, train, gen
+    return tmp, bundle, train, gen, out
 
 
 def _offline(tmp, bundle):
@@ -43,7 +43,7 @@ def _offline(tmp, bundle):
 
 
 def test_the_bundle_names_what_it_was_built_for(job):
-    tmp, bundle, train, gen = job
+    tmp, bundle, train, gen, recorded = job
     index = json.loads((bundle / "index.json").read_text())
     built = index["built"]
     assert built["vkdsl"] and "llvmpipe" in built["device"] and len(built["jobs"]) == 2
@@ -54,7 +54,7 @@ def test_the_bundle_names_what_it_was_built_for(job):
 
 
 def test_a_recorded_training_job_runs_from_the_bundle_identically(job):
-    tmp, bundle, train, gen = job
+    tmp, bundle, train, gen, recorded = job
     import subprocess
     p = subprocess.run([TRAIN, *train[1:], "--out", str(tmp / "without")], capture_output=True, text=True,
                        env=_offline(tmp, bundle), timeout=600)
@@ -68,16 +68,15 @@ def test_a_recorded_training_job_runs_from_the_bundle_identically(job):
 
 
 def test_generate_and_verify_run_from_the_bundle(job):
-    tmp, bundle, train, gen = job
-    online = run(gen[1:]).stdout
+    tmp, bundle, train, gen, recorded = job
     offline = run(gen[1:], env=_offline(tmp, bundle)).stdout
-    assert offline == online and offline.strip()
+    assert offline.strip() and offline in recorded         # the text the recorded run printed
     p = run(["verify"], env=_offline(tmp, bundle))
     assert " FAIL" not in p.stdout and "pass" in p.stdout.lower()
 
 
 def test_a_job_the_bundle_was_not_built_for_is_one_line_naming_the_fix(job):
-    tmp, bundle, train, gen = job
+    tmp, bundle, train, gen, recorded = job
     import subprocess
     other = [TRAIN, *train[1:], "--batch-size", "3", "--out", str(tmp / "other")]
     p = subprocess.run(other, capture_output=True, text=True, env=_offline(tmp, bundle), timeout=600)

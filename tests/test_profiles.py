@@ -68,8 +68,7 @@ def _doctor(*args):
 
 
 @pytest.mark.parametrize("name,family,matmul", [("minimal", "lvp", "matmul_nn_lvp_v4s4"),
-                                                ("nvidia", "gpu", "matmul_nn_gpu128"),
-                                                ("mobile-mali", "gpu", "matmul_nn_gpu128")])
+                                                ("nvidia", "gpu", "matmul_nn_gpu128")])
 def test_doctor_shows_the_kernels_the_profile_picks(name, family, matmul):
     report, rows = _doctor("--profile", name, "--no-bench")
     assert rows["family"]["value"] == family and rows["matmul 512^3"]["value"] == matmul
