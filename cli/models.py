@@ -163,6 +163,9 @@ def info(device, model_path, as_json):
     if as_json:
         click.echo(json.dumps(row, default=str))
     else:
+        d = row.pop("rope_freq_divisors")
+        row["rope_scaling"] = (f"{len(d)} frequency divisors, {min(d):g} .. {max(d):g} (Llama 3 style)" if d
+                               else "none")
         for k, v in row.items():
             click.echo(f"{k:>18}: {v}")
         click.echo(f"{'ratio':>18}: {mem['device_bytes'] / mem['fp32_bytes']:.3f} of fp32")

@@ -134,9 +134,15 @@ def _to_record(name: str, dtype: str, shape: tuple[int, ...], raw: np.ndarray) -
 
 
 def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
-    """LlamaConfig from a HF config.json dict (model_type must be llama)."""
-    if cfg.get("model_type") != "llama":
-        raise ModelFileError(f"{path}: model_type is {cfg.get('model_type')!r}, expected 'llama'")
+    """LlamaConfig from a HF config.json dict: model_type llama, or mistral without a sliding
+    window inside its context (Mistral is Llama's computation then)."""
+    kind = cfg.get("model_type")
+    if kind not in ("llama", "mistral"):
+        raise ModelFileError(f"{path}: model_type is {kind!r}; supported: 'llama', 'mistral' (Qwen2/Qwen3 not yet)")
+    window = cfg.get("sliding_window")
+    if kind == "mistral" and window is not None and int(window) < int(cfg.get("max_position_embeddings", 2048)):
+        raise ModelFileError(f"{path}: sliding_window = {window} (below max_position_embeddings "
+                             f"{cfg.get('max_position_embeddings', 2048)}): sliding-window attention is not supported")
     rope_base, divisors = _rope(cfg, path)
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):

@@ -136,8 +136,8 @@ def test_hf_vocab_mismatch(tmp_path, tiny):
 
 def test_hf_wrong_model_type(tmp_path, tiny):
     folder = _hf_copy(tiny, tmp_path)
-    _edit_json(folder / "config.json", model_type="mistral")
-    with pytest.raises(ModelFileError, match=r"config\.json.*model_type is 'mistral'"):
+    _edit_json(folder / "config.json", model_type="gemma")
+    with pytest.raises(ModelFileError, match=r"config\.json.*model_type is 'gemma'; supported: 'llama', 'mistral'"):
         load_hf(folder)
 
 

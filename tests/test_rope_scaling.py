@@ -68,3 +68,28 @@ def test_other_rope_types_are_refused_by_name(tmp_path, tiny):
         (d / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ModelFileError, match=field):
             load_checkpoint(d)
+
+
+def _with_config(tmp_path, tiny, name, **changes):
+    import shutil
+    d = tmp_path / name
+    shutil.copytree(tiny.hf_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_mistral_without_a_sliding_window_is_llama(tmp_path, tiny):
+    base = load_checkpoint(tiny.hf_dir).config
+    ctx = base.context_length
+    for window in (None, ctx):                  # no window, or one as long as the context
+        d = _with_config(tmp_path, tiny, f"mistral-{window}", model_type="mistral",
+                         architectures=["MistralForCausalLM"], sliding_window=window)
+        assert load_checkpoint(d).config == base
+    d = _with_config(tmp_path, tiny, "mistral-window", model_type="mistral", sliding_window=ctx // 4)
+    with pytest.raises(ModelFileError, match=rf"sliding_window = {ctx // 4} .*not supported"):
+        load_checkpoint(d)
+    d = _with_config(tmp_path, tiny, "qwen2", model_type="qwen2")
+    with pytest.raises(ModelFileError, match="model_type is 'qwen2'"):
+        load_checkpoint(d)
