@@ -106,6 +106,9 @@ MUTANTS = [
     Mutant("split_qgather_ignores_its_base", "ops/quant/gather.py", "GATHER_PUSH.pack(V, D, self.base, self.total)",
            "GATHER_PUSH.pack(V, D, 0, self.total)", ("tests/test_big_weights.py",),
            "a packed table's later blocks look their rows up as if they started at row 0"),
+    Mutant("subgroup_max_drops_nan", "vkdsl/render.py", "acc = bad > 0.0 ? (0.0/0.0) : {op}(acc);",
+           "acc = {op}(acc);", ("tests/test_profiles.py", "-k", "reductions"),
+           "the subgroup max reduction trusts subgroupMax with NaN (lavapipe's drops it)"),
 ]
 
 

@@ -86,12 +86,14 @@ def test_doctor_with_benchmarks_runs_within_two_minutes():
     assert float(sft["value"].split()[0]) > 0
 
 
-def test_reductions_without_subgroup_arithmetic_take_the_shared_memory_tree():
-    """The DSL's reduction tests again, in a process under minimal (no subgroup arithmetic)."""
+@pytest.mark.parametrize("name", ["nvidia", "minimal"])
+def test_reductions_under_a_gpu_profile_and_without_subgroups(name):
+    """The DSL's reduction tests again in a process of their own: under nvidia the subgroup
+    reductions run (lavapipe has subgroup arithmetic), under minimal the shared-memory tree."""
     import subprocess
     import sys
     here = os.path.dirname(__file__)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, "test_dsl.py"),
                         "-k", "reduction or softmax or sum or max"], capture_output=True, text=True,
-                       env=dict(os.environ, VKDSL_PROFILE="minimal"), timeout=600, cwd=os.path.dirname(here))
+                       env=dict(os.environ, VKDSL_PROFILE=name), timeout=600, cwd=os.path.dirname(here))
     assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-2000:]
