@@ -96,7 +96,7 @@ MUTANTS = [
     Mutant("dpo_ranks_take_the_same_pairs", "train/dpo.py", "mine = my_share(idx, g)", "mine = idx[:cfg[\"dpo_batch\"]]",
            ("tests/test_distributed.py", "-k", "dpo"), "under MPI every rank trains DPO on the first pairs of the global batch"),
     Mutant("rank_reads_its_own_cache", "train/trainer.py",
-           "self.base = self.group.bcast(_cached_base(cache, key) if self.group.root else None)",
+           "self.base = self.group.from_root(_cached_base, cache, key)",
            "self.base = _cached_base(cache, key)", ("tests/test_distributed.py", "-k", "resume"),
            "on resume each rank looks for the base evaluation in its own folder (only rank 0's has it)"),
     Mutant("split_blocks_not_moved_into_place", "models/weights.py",

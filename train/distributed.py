@@ -36,6 +36,9 @@ class Single:
     def bcast(self, obj):
         return obj
 
+    def from_root(self, fn, *args):
+        return fn(*args)
+
     def barrier(self):
         pass
 
@@ -63,8 +66,13 @@ class MPIGroup:
         return self.comm.allgather(obj)
 
     def bcast(self, obj):
-        """Rank 0's obj on every rank (what rank 0 alone can read: the run folder's caches)."""
+        """Rank 0's obj on every rank."""
         return self.comm.bcast(obj, root=0)
+
+    def from_root(self, fn, *args):
+        """fn(*args) computed by rank 0 alone and handed to every rank: what only rank 0 can read
+        (the run folder's caches), or work that gains nothing from sharding."""
+        return self.bcast(fn(*args) if self.root else None)
 
     def barrier(self):
         self.comm.Barrier()

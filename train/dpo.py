@@ -120,7 +120,7 @@ def cached_reference(path: Path, key: str, compute, say=lambda s: None, group=No
     unreadable) is never used: it is said, recomputed and replaced. group: rank 0 alone reads and
     writes the cache, and every rank takes its answer (computing is collective)."""
     g = group or Single()
-    hit = g.bcast(_read_reference(path, key, say) if g.root else None)
+    hit = g.from_root(_read_reference, path, key, say)
     if hit is not None:
         return np.array(hit[0]), np.array(hit[1])
     rc, rr = compute()

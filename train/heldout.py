@@ -11,6 +11,7 @@ from vkdsl.models.llama import Llama
 
 from . import evidence
 from .data import IGNORE, encode_row, with_completion
+from .distributed import Single
 
 
 class Heldout:
@@ -114,16 +115,13 @@ class Heldout:
             out["format_valid"] = float(np.mean(fmt))
             out["format_n"] = len(fmt)
             shown = [j for j, f in enumerate(fmt) if not f][:self.cfg.format_examples]
-            out["format_failures"] = self._on_rank_0(self._generate_failures, shown, adapters_on)
+            out["format_failures"] = self._group().from_root(self._generate_failures, shown, adapters_on)
         return out
 
-    def _on_rank_0(self, fn, *args):
-        """fn computed by rank 0 alone and handed to every rank: a few sequential generations (or
-        an fp32 copy of the base) gain nothing from sharding, and idle ranks free a shared device."""
-        g = self.scorer.group
-        if g is None or g.size == 1:
-            return fn(*args)
-        return g.bcast(fn(*args) if g.root else None)
+    def _group(self):
+        """Rank 0 alone runs the few sequential generations and the fp32 copy of the base (they
+        gain nothing from sharding, and idle ranks free a shared device)."""
+        return self.scorer.group or Single()
 
     def _generate_failures(self, which, adapters_on):
         """Greedy generation (KV cache, up to format_tokens new tokens) on held-out prompts: the
@@ -154,7 +152,7 @@ class Heldout:
     def fp32_decisions(self, n_rows):
         """Label decisions on the first n_rows labelled held-out rows with the same adapters on the
         base dequantized to fp32 (the packed-quantized kernels' stability), beside the packed ones."""
-        return self._on_rank_0(self._fp32_decisions, n_rows)
+        return self._group().from_root(self._fp32_decisions, n_rows)
 
     def _fp32_decisions(self, n_rows):
         js = list(range(min(n_rows, len(self.cand_idx))))

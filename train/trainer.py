@@ -160,7 +160,7 @@ class Run:
                        "comparing the label tokens' log-probs at the answer position")
         key, cache = self._base_key(), self.dir / BASE_EVAL
         # only rank 0 writes (and reads) the run folder: every rank must take the same branch
-        self.base = self.group.bcast(_cached_base(cache, key) if self.group.root else None)
+        self.base = self.group.from_root(_cached_base, cache, key)
         if self.base is not None:
             self.r.say(f"base evaluation reused from {cache.name} (same base, tokenizer, data and settings)")
         else:

@@ -109,12 +109,11 @@ def array_nbytes(fmt, N: int, K: int) -> list[int]:
     check_shape(f, N, K)
     r, g, sb = N * K // 32, N * K // 64, N * K // 256
     up4 = lambda n: -(-n // 4) * 4
-    if f.name in ("q4_k", "q5_k", "q6_k"):
-        return {"q4_k": [4 * sb, 12 * sb, 128 * sb], "q5_k": [4 * sb, 12 * sb, 32 * sb, 128 * sb],
-                "q6_k": [up4(2 * sb), 16 * sb, 128 * sb, 64 * sb]}[f.name]
     return {"q4_0": [up4(2 * r), 16 * r], "q4_1": [4 * r, 16 * r], "q8_0": [up4(2 * r), 32 * r],
             "int4": [4 * g, 16 * r], "int4_f16": [up4(2 * g), 16 * r],
-            "nf4": [up4(g), 8 * -(-g // NF4_GROUP), 16 * r], "f16": [64 * r]}[f.name]
+            "nf4": [up4(g), 8 * -(-g // NF4_GROUP), 16 * r], "f16": [64 * r],
+            "q4_k": [4 * sb, 12 * sb, 128 * sb], "q5_k": [4 * sb, 12 * sb, 32 * sb, 128 * sb],
+            "q6_k": [up4(2 * sb), 16 * sb, 128 * sb, 64 * sb]}[f.name]
 
 
 @dataclass

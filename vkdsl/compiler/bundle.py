@@ -18,14 +18,11 @@ import os
 import re
 
 from ..fileio import atomic_write
+from .cache import valid_spirv
 from .errors import NoCompiler
 
 INDEX = "index.json"
 _read: dict[str, dict] = {}          # bundle folder -> its index (read once per process)
-
-
-def _spirv_ok(blob: bytes) -> bool:
-    return len(blob) >= 20 and len(blob) % 4 == 0 and blob[:4] == b"\x03\x02\x23\x07"
 
 
 def read_index(root: str) -> dict:
@@ -53,7 +50,7 @@ def lookup(root: str, key: str) -> bytes | None:
             blob = f.read()
     except OSError as e:
         raise NoCompiler(f"SPIR-V bundle {root}: {entry['file']} is named in {INDEX} but cannot be read ({e})") from None
-    if hashlib.sha256(blob).hexdigest() != entry["sha256"] or not _spirv_ok(blob):
+    if hashlib.sha256(blob).hexdigest() != entry["sha256"] or not valid_spirv(blob):
         raise NoCompiler(f"SPIR-V bundle file {path} does not match its sha256 in {INDEX}; rebuild the bundle")
     return blob
 
