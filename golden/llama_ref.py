@@ -68,7 +68,9 @@ def forward(weights: dict, cfg: dict, tokens) -> np.ndarray:
     """Logits (T, vocab) float64 for token ids `tokens` at positions 0..T-1.
 
     cfg keys: n_layers, n_heads, n_kv_heads, head_dim, rope_base, norm_eps; optional inv_freq
-    (the RoPE frequencies of a scaled RoPE, float64 (head_dim/2,)).
+    (the RoPE frequencies of a scaled RoPE, float64 (head_dim/2,)), qkv_bias (Qwen2: q, k, v add
+    blk.i.attn_{q,k,v}.bias) and qk_norm (Qwen3: each q and k head RMS-normalized by
+    blk.i.attn_{q,k}_norm.weight before RoPE).
     Logits use output.weight, or token_embd.weight when it is absent (tied embeddings).
     """
     def w(name: str) -> np.ndarray:
@@ -79,12 +81,17 @@ def forward(weights: dict, cfg: dict, tokens) -> np.ndarray:
     tokens = np.asarray(tokens, dtype=np.int64)
     T = len(tokens)
     x = np.asarray(weights["token_embd.weight"][tokens], dtype=np.float64)   # (T, dim)
+    def proj(h, p, m, heads):
+        y = h @ w(p + m + ".weight").T + (w(p + m + ".bias") if cfg.get("qkv_bias") else 0.0)
+        y = y.reshape(T, heads, hd)
+        return rms_norm(y, w(p + m + "_norm.weight"), eps) if cfg.get("qk_norm") and m != "attn_v" else y
+
     for i in range(int(cfg["n_layers"])):
         p = f"blk.{i}."
         h = rms_norm(x, w(p + "attn_norm.weight"), eps)
-        q = rope((h @ w(p + "attn_q.weight").T).reshape(T, H, hd), base, cfg.get("inv_freq"))
-        k = rope((h @ w(p + "attn_k.weight").T).reshape(T, KV, hd), base, cfg.get("inv_freq"))
-        v = (h @ w(p + "attn_v.weight").T).reshape(T, KV, hd)
+        q = rope(proj(h, p, "attn_q", H), base, cfg.get("inv_freq"))
+        k = rope(proj(h, p, "attn_k", KV), base, cfg.get("inv_freq"))
+        v = proj(h, p, "attn_v", KV)
         x = x + attention(q, k, v) @ w(p + "attn_output.weight").T
         h = rms_norm(x, w(p + "ffn_norm.weight"), eps)
         gate, up = h @ w(p + "ffn_gate.weight").T, h @ w(p + "ffn_up.weight").T   # (T, ffn)

@@ -1,4 +1,4 @@
-"""Hyper-parameters of a Llama-architecture model, validated once at load time."""
+"""Hyper-parameters of a Llama-family model (Llama, Mistral, Qwen2, Qwen3), validated once at load time."""
 from __future__ import annotations
 
 import math
@@ -10,6 +10,19 @@ from .errors import ModelFileError
 
 # The linear modules of a layer, in the order a layer computes them (GGUF names).
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+# Families that share Llama's computation, and what each adds to it. Mistral (no sliding window)
+# is Llama's computation under another name; its GGUF files say "llama".
+#   qkv_bias: q, k and v projections carry a bias (Qwen2)
+#   qk_norm:  per-head RMSNorm on q and k before RoPE (Qwen3)
+#   gguf_pairs: the family's GGUF stores Q/K rows in adjacent-pair RoPE order (llama.cpp's
+#     converter permutes Llama's); Qwen GGUF files keep Hugging Face's half-split order.
+ARCHS = {
+    "llama": dict(gguf_arch="llama", qkv_bias=False, qk_norm=False, gguf_pairs=True),
+    "mistral": dict(gguf_arch="llama", qkv_bias=False, qk_norm=False, gguf_pairs=True),
+    "qwen2": dict(gguf_arch="qwen2", qkv_bias=True, qk_norm=False, gguf_pairs=False),
+    "qwen3": dict(gguf_arch="qwen3", qkv_bias=False, qk_norm=True, gguf_pairs=False),
+}
 
 
 @dataclass(frozen=True)
@@ -31,8 +44,11 @@ class LlamaConfig:
     # RoPE frequency divisors (head_dim / 2 of them): inv_freq_i = base^(-2i/head_dim) / d_i, as
     # llama.cpp's rope_freqs.weight tensor holds them; None = plain RoPE. Llama 3.x's scaling.
     rope_freq_divisors: tuple[float, ...] | None = None
+    arch: str = "llama"             # a key of ARCHS; fixes qkv_bias, qk_norm and the GGUF row order
 
     def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ModelFileError(f"LlamaConfig.arch = {self.arch!r}; supported: {', '.join(ARCHS)}")
         for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
                     "vocab_size", "context_length"):
             value = getattr(self, key)
@@ -60,6 +76,22 @@ class LlamaConfig:
                     f"LlamaConfig.{key} = {value} is outside the vocabulary [0, {self.vocab_size})")
 
     @property
+    def qkv_bias(self) -> bool:
+        return ARCHS[self.arch]["qkv_bias"]
+
+    @property
+    def qk_norm(self) -> bool:
+        return ARCHS[self.arch]["qk_norm"]
+
+    @property
+    def gguf_arch(self) -> str:
+        return ARCHS[self.arch]["gguf_arch"]
+
+    @property
+    def gguf_pairs(self) -> bool:
+        return ARCHS[self.arch]["gguf_pairs"]
+
+    @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
@@ -69,7 +101,7 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         """Plain dict, the form golden/llama_ref.py takes (it must not import this module)."""
-        return asdict(self)
+        return dict(asdict(self), qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
 
 
 def llama3_divisors(head_dim: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float,

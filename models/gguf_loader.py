@@ -1,4 +1,7 @@
-"""Read a Llama GGUF file: config from llama.* keys, tensors as raw blocks (no dequantizing).
+"""Read a Llama/Qwen2/Qwen3 GGUF file: config from {arch}.* keys, tensors as raw blocks (no dequantizing).
+
+Qwen files keep Q/K rows in half-split RoPE order (llama.cpp runs them with NEOX RoPE); their rows
+move to the adjacent-pair order here, so one forward serves every family.
 
 Only metadata and tensor bytes are read (memory-mapped); nothing in the file is executed.
 """
@@ -13,7 +16,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from .config import LlamaConfig
 from .errors import ModelFileError
+from .safetensors_loader import to_pair_order
 from .tensors import LlamaCheckpoint, TensorRecord, check_tensors
+
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFReader:
@@ -83,26 +89,30 @@ def _f32(value: float) -> float:
 
 
 def config_from_gguf(reader: GGUFReader, path: Path | str) -> LlamaConfig:
-    """LlamaConfig from the llama.* keys (vocab falls back to token_embd's rows)."""
+    """LlamaConfig from the {arch}.* keys (vocab falls back to token_embd's rows)."""
     arch = read_key(reader, "general.architecture", None, path=path)
-    if arch != "llama":
-        raise ModelFileError(f"{path}: general.architecture is {arch!r}, expected 'llama'")
+    if arch not in GGUF_ARCHS:
+        raise ModelFileError(f"{path}: general.architecture is {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
 
     def key(name: str, default: Any = ...) -> Any:
-        return read_key(reader, "llama." + name, default, path=path)
+        return read_key(reader, f"{arch}.{name}", default, path=path)
 
     dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
     head_dim = int(key("attention.key_length", dim // n_heads))
     if int(key("attention.value_length", head_dim)) != head_dim:
-        raise ModelFileError(f"{path}: llama.attention.value_length differs from key_length; "
+        raise ModelFileError(f"{path}: {arch}.attention.value_length differs from key_length; "
                              f"unsupported")
     rope_dims = int(key("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise ModelFileError(f"{path}: llama.rope.dimension_count = {rope_dims} but head_dim = "
+        raise ModelFileError(f"{path}: {arch}.rope.dimension_count = {rope_dims} but head_dim = "
                              f"{head_dim}; partial RoPE is unsupported")
     scaling = key("rope.scaling.type", "none")
     if scaling not in ("none", None):
-        raise ModelFileError(f"{path}: llama.rope.scaling.type = {scaling!r}; unsupported")
+        raise ModelFileError(f"{path}: {arch}.rope.scaling.type = {scaling!r}; unsupported")
+    window = key("attention.sliding_window", None)
+    if window is not None and int(window) < int(key("context_length", 2048)):
+        raise ModelFileError(f"{path}: {arch}.attention.sliding_window = {window} (below the context): "
+                             f"sliding-window attention is not supported")
 
     names = {t.name: t for t in reader.tensors}
     freqs = names.get("rope_freqs.weight")
@@ -133,13 +143,14 @@ def config_from_gguf(reader: GGUFReader, path: Path | str) -> LlamaConfig:
             context_length=int(key("context_length", 2048)),
             tied_embeddings="output.weight" not in names,
             bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("padding"),
-            rope_freq_divisors=divisors)
+            rope_freq_divisors=divisors, arch=arch)
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
 
 
 def load_gguf(path: str | os.PathLike, reader: GGUFReader | None = None) -> LlamaCheckpoint:
-    """Config plus every Llama tensor as a TensorRecord viewing the file's raw blocks."""
+    """Config plus every tensor as a TensorRecord viewing the file's raw blocks (Qwen's Q/K rows
+    copied into adjacent-pair order)."""
     path = Path(path)
     reader = reader if reader is not None else open_gguf(path)
     cfg = config_from_gguf(reader, path)
@@ -151,6 +162,7 @@ def load_gguf(path: str | os.PathLike, reader: GGUFReader | None = None) -> Llam
         raw = np.asarray(t.data).view(np.uint8)
         if t.name == "rope_freqs.weight":      # read into the config (rope_freq_divisors)
             continue
-        tensors[t.name] = TensorRecord(t.name, t.tensor_type.name, shape, raw)
+        rec = TensorRecord(t.name, t.tensor_type.name, shape, raw)
+        tensors[t.name] = rec if cfg.gguf_pairs else to_pair_order(rec, cfg)
     check_tensors(tensors, cfg, path)   # names, shapes, types and byte counts
     return LlamaCheckpoint(cfg, tensors, path, "gguf")

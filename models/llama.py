@@ -1,6 +1,8 @@
-"""Llama forward pass on the device, built from vkdsl ops.
+"""Llama-family forward pass on the device (Llama, Mistral, Qwen2's q/k/v biases, Qwen3's q/k
+norms), built from vkdsl ops.
 
-Weights keep GGUF names, (out, in) shapes and the GGUF Q/K row order (adjacent-pair RoPE).
+Weights keep GGUF names, (out, in) shapes and the adjacent-pair RoPE Q/K row order (the loaders
+put every family's rows in it).
 Linear layers go through models.weights (packed 4-bit/8-bit kept packed on the device, or
 dense fp32); LoRA adapters are applied beside them and can be switched off per call, so the
 base distribution comes from the same weights in the same step."""
@@ -84,6 +86,8 @@ class Llama:
                 self.linear[name] = device_weight(ckpt[name + ".weight"], quant)
         self.norm = {n: vkdsl.tensor(ckpt[n].dequantize().astype(np.float32), name=n)
                      for n in ckpt.tensors if n.endswith("_norm.weight")}
+        self.bias = {n.removesuffix(".bias"): vkdsl.tensor(ckpt[n].dequantize().astype(np.float32), name=n)
+                     for n in ckpt.tensors if n.endswith(".bias")}      # Qwen2: q, k, v
         self.embed = device_weight(ckpt["token_embd.weight"], quant)
         self.head = device_weight(ckpt["output.weight"], quant) if "output.weight" in ckpt.tensors \
             else self.embed.as_linear()
@@ -103,13 +107,16 @@ class Llama:
     def device_bytes(self) -> dict:
         """Bytes the weights occupy on the device (from the allocations) vs the same weights in fp32."""
         ws = list(self.linear.values()) + [self.embed] + ([self.head] if self.head is not self.embed else [])
-        dev = sum(w.device_bytes for w in ws) + sum(t.buffer.nbytes for t in self.norm.values())
-        fp32 = sum(w.fp32_bytes for w in ws) + sum(t.size * 4 for t in self.norm.values())
+        vectors = list(self.norm.values()) + list(self.bias.values())
+        dev = sum(w.device_bytes for w in ws) + sum(t.buffer.nbytes for t in vectors)
+        fp32 = sum(w.fp32_bytes for w in ws) + sum(t.size * 4 for t in vectors)
         return {"device_bytes": dev, "fp32_bytes": fp32}
 
     # ---- forward ----
     def _lin(self, name, x, adapters_on):
         y = self.linear[name](x)
+        if name in self.bias:
+            y = y + self.bias[name]
         lo = self.lora.get(name)
         return y + lo.delta(x) if (lo is not None and adapters_on) else y
 
@@ -140,8 +147,12 @@ class Llama:
         for i in range(start, c.n_layers if stop is None else stop):
             p = f"blk.{i}."
             h = nn.rmsnorm(x, self.norm[p + "attn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
-            q = nn.rope(self._lin(p + "attn_q", h, adapters_on).reshape(B, T, H, D), cos, sin)
-            k = nn.rope(self._lin(p + "attn_k", h, adapters_on).reshape(B, T, KV, D), cos, sin)
+            q = self._lin(p + "attn_q", h, adapters_on).reshape(B, T, H, D)
+            k = self._lin(p + "attn_k", h, adapters_on).reshape(B, T, KV, D)
+            if c.qk_norm:                               # Qwen3: each head normalized before RoPE
+                q = nn.rmsnorm(q, self.norm[p + "attn_q_norm.weight"], c.norm_eps)
+                k = nn.rmsnorm(k, self.norm[p + "attn_k_norm.weight"], c.norm_eps)
+            q, k = nn.rope(q, cos, sin), nn.rope(k, cos, sin)
             v = self._lin(p + "attn_v", h, adapters_on).reshape(B, T, KV, D)
             if kv is not None:
                 k, v, causal = kv.layer(i, k, v)       # a KV cache may substitute its keys/values

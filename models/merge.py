@@ -14,7 +14,8 @@ import numpy as np
 
 from vkdsl.fileio import atomic_path, atomic_write
 
-from .adapters import adapter_mismatches, heads, read_adapter
+from .adapters import adapter_mismatches, read_adapter
+from .adapters.common import file_rows
 from .errors import ModelFileError
 from .manifest import check_manifest
 
@@ -44,7 +45,7 @@ def merge(model_path, adapter_path, out_path, out_type: str = "f32", force: bool
               "r": aw.r, "alpha": aw.alpha, "rslora": aw.rslora, "manifest_mismatches": forced,
               "tensors": {}}
     if ck.format == "gguf":
-        _merge_gguf(model_path, aw, out_path, out_type, report)
+        _merge_gguf(model_path, ck.config, aw, out_path, out_type, report)
     else:
         _merge_hf(model_path, ck, aw, out_path, out_type, report)
     errs = [t["requant_rel_err"] for t in report["tensors"].values() if "requant_rel_err" in t]
@@ -58,7 +59,7 @@ def merge(model_path, adapter_path, out_path, out_type: str = "f32", force: bool
     return report
 
 
-def _merge_gguf(model_path: Path, aw, out_path: Path, out_type: str, report: dict) -> None:
+def _merge_gguf(model_path: Path, cfg, aw, out_path: Path, out_type: str, report: dict) -> None:
     from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize, quantize
     reader = GGUFReader(model_path, "r")
@@ -82,7 +83,7 @@ def _merge_gguf(model_path: Path, aw, out_path: Path, out_type: str, report: dic
             A, B, s = aw.modules[mod]
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             W = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), np.float64).reshape(shape)
-            d = _delta(A, B, s)
+            d = file_rows(cfg, mod, _delta(A, B, s), "gguf", to_file=True)   # the file's row order
             merged = (W + d).astype(np.float32)
             info = {"base_type": t.tensor_type.name, "update_norm": float(np.linalg.norm(d))}
             if out_type == "f32" or (out_type == "keep" and t.tensor_type == Q.F32):
@@ -111,8 +112,8 @@ def _merge_gguf(model_path: Path, aw, out_path: Path, out_type: str, report: dic
 
 
 def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: dict) -> None:
-    from .safetensors_loader import (_weight_files, gguf_name_to_hf, gguf_to_hf_rows,
-                                     hf_name_to_gguf, read_safetensors, as_f32, safetensors_bytes)
+    from .safetensors_loader import (_weight_files, gguf_name_to_hf, hf_name_to_gguf, read_safetensors,
+                                     as_f32, safetensors_bytes)
     if out_path.exists() and not out_path.is_dir():
         raise ModelFileError(f"{out_path}: exists and is not a folder (a HF base merges into a folder)")
     out_path.mkdir(parents=True, exist_ok=True)
@@ -124,10 +125,7 @@ def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: d
             mod = g[:-len(".weight")] if g and g.endswith(".weight") else None
             if mod in aw.modules:
                 A, B, s = aw.modules[mod]
-                d = _delta(A, B, s)                 # GGUF row order
-                h = heads(ck.config, mod)
-                if h is not None:
-                    d = gguf_to_hf_rows(d, h, axis=0)
+                d = file_rows(ck.config, mod, _delta(A, B, s), "hf", to_file=True)
                 merged = (arr.astype(np.float64) + d).astype(np.float32)
                 t = {"f32": "F32", "f16": "F16"}.get(out_type, dtype if dtype != "BF16" else "F32")
                 stored = merged.astype(np.float16) if t == "F16" else merged

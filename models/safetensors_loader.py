@@ -1,4 +1,4 @@
-"""Read a Hugging Face Llama folder (config.json + *.safetensors) into the GGUF layout.
+"""Read a Hugging Face Llama/Mistral/Qwen2/Qwen3 folder (config.json + *.safetensors) into the GGUF layout.
 
 The safetensors format is parsed here directly (8-byte header length, JSON header, raw
 little-endian data) because numpy has no bfloat16; BF16 is widened to F32 exactly.
@@ -27,6 +27,11 @@ _LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",          # Qwen2
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -85,6 +90,29 @@ def gguf_to_hf_rows(w: np.ndarray, n_heads: int, axis: int = 0) -> np.ndarray:
     return _pair_permute(w, n_heads, axis, to_gguf=False)
 
 
+def qk_heads(name: str, cfg: LlamaConfig) -> int | None:
+    """How many RoPE heads the rows of a Q/K tensor (weight, bias or per-head norm, GGUF name)
+    hold, None for any other tensor: the permutation between RoPE orders applies per head."""
+    for suffix, heads in (("attn_q.weight", cfg.n_heads), ("attn_q.bias", cfg.n_heads),
+                          ("attn_k.weight", cfg.n_kv_heads), ("attn_k.bias", cfg.n_kv_heads),
+                          ("attn_q_norm.weight", 1), ("attn_k_norm.weight", 1)):
+        if name.endswith(suffix):
+            return heads
+    return None
+
+
+def to_pair_order(rec: TensorRecord, cfg: LlamaConfig) -> TensorRecord:
+    """`rec` with its rows moved from half-split (HF) to adjacent-pair RoPE order, if it is a Q/K
+    tensor of the size the config implies (else unchanged: check_tensors reports a wrong shape).
+    Rows move whole, so packed blocks (one row of bytes each) move unchanged."""
+    heads = qk_heads(rec.name, cfg)
+    if heads is None or rec.shape[0] != heads * cfg.head_dim:
+        return rec
+    rows = rec.raw.reshape(rec.shape[0], -1)
+    return TensorRecord(rec.name, rec.ggml_type, rec.shape,
+                        np.ascontiguousarray(hf_to_gguf_rows(rows, heads)).reshape(rec.raw.shape))
+
+
 _LIB_DTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -133,20 +161,27 @@ def _to_record(name: str, dtype: str, shape: tuple[int, ...], raw: np.ndarray) -
     return TensorRecord(name, dtype, shape, rows)
 
 
+_HF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
 def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
-    """LlamaConfig from a HF config.json dict: model_type llama, or mistral without a sliding
-    window inside its context (Mistral is Llama's computation then)."""
+    """LlamaConfig from a HF config.json dict: model_type llama, mistral, qwen2 or qwen3. What
+    the computation here does not implement (a sliding window inside the context, biases other
+    than Qwen2's q/k/v ones, another activation) is refused by field name."""
     kind = cfg.get("model_type")
-    if kind not in ("llama", "mistral"):
-        raise ModelFileError(f"{path}: model_type is {kind!r}; supported: 'llama', 'mistral' (Qwen2/Qwen3 not yet)")
+    if kind not in _HF_ARCHS:
+        raise ModelFileError(f"{path}: model_type is {kind!r}; supported: {', '.join(map(repr, _HF_ARCHS))}")
+    context = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
-    if kind == "mistral" and window is not None and int(window) < int(cfg.get("max_position_embeddings", 2048)):
+    # Qwen configs name a window but switch it on with use_sliding_window; Mistral's is on when set
+    windowed = cfg.get("use_sliding_window", kind == "mistral")
+    if windowed and window is not None and int(window) < context:
         raise ModelFileError(f"{path}: sliding_window = {window} (below max_position_embeddings "
-                             f"{cfg.get('max_position_embeddings', 2048)}): sliding-window attention is not supported")
+                             f"{context}): sliding-window attention is not supported")
     rope_base, divisors = _rope(cfg, path)
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
-            raise ModelFileError(f"{path}: {key} = true; unsupported (plain Llama has no biases)")
+            raise ModelFileError(f"{path}: {key} = true; unsupported (only Qwen2's built-in q/k/v biases are)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelFileError(f"{path}: hidden_act = {cfg['hidden_act']!r}, expected 'silu'")
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
@@ -167,10 +202,10 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
             head_dim=int(cfg.get("head_dim") or dim // n_heads),
             ffn_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
             rope_base=rope_base, norm_eps=float(cfg["rms_norm_eps"]),
-            context_length=int(cfg.get("max_position_embeddings", 2048)),
+            context_length=context,
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_id=first_id("bos_token_id"), eos_id=first_id("eos_token_id"),
-            pad_id=first_id("pad_token_id"), rope_freq_divisors=divisors)
+            pad_id=first_id("pad_token_id"), rope_freq_divisors=divisors, arch=_HF_ARCHS[kind])
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
 
@@ -246,12 +281,6 @@ def load_hf(folder: str | os.PathLike) -> LlamaCheckpoint:
                 raise ModelFileError(f"{file}: unexpected tensor {hf_name!r}; unsupported variant")
             if name == "output.weight" and cfg.tied_embeddings:
                 continue       # some tied checkpoints still save a copy of the embedding
-            rec = _to_record(name, dtype, shape, raw)
-            if name.endswith(("attn_q.weight", "attn_k.weight")) and len(shape) == 2:
-                heads = cfg.n_heads if name.endswith("attn_q.weight") else cfg.n_kv_heads
-                if shape[0] == heads * cfg.head_dim:   # else check_tensors reports the shape
-                    rec = TensorRecord(name, rec.ggml_type, shape,
-                                       np.ascontiguousarray(hf_to_gguf_rows(rec.raw, heads)))
-            tensors[name] = rec
+            tensors[name] = to_pair_order(_to_record(name, dtype, shape, raw), cfg)
     check_tensors(tensors, cfg, folder)
     return LlamaCheckpoint(cfg, tensors, folder, "safetensors")

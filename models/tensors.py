@@ -51,7 +51,7 @@ class TensorRecord:
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama checkpoint must hold, GGUF names -> numpy (out, in) shapes."""
+    """Every tensor a checkpoint of the config's family must hold, GGUF names -> numpy (out, in) shapes."""
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (cfg.vocab_size, cfg.dim),
         "output_norm.weight": (cfg.dim,),
@@ -63,6 +63,11 @@ def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "attn_k.weight"] = (cfg.kv_dim, cfg.dim)
         shapes[p + "attn_v.weight"] = (cfg.kv_dim, cfg.dim)
         shapes[p + "attn_output.weight"] = (cfg.dim, cfg.q_dim)
+        if cfg.qkv_bias:
+            shapes[p + "attn_q.bias"], shapes[p + "attn_k.bias"] = (cfg.q_dim,), (cfg.kv_dim,)
+            shapes[p + "attn_v.bias"] = (cfg.kv_dim,)
+        if cfg.qk_norm:
+            shapes[p + "attn_q_norm.weight"] = shapes[p + "attn_k_norm.weight"] = (cfg.head_dim,)
         shapes[p + "ffn_norm.weight"] = (cfg.dim,)
         shapes[p + "ffn_gate.weight"] = (cfg.ffn_dim, cfg.dim)
         shapes[p + "ffn_up.weight"] = (cfg.ffn_dim, cfg.dim)
@@ -82,8 +87,8 @@ def check_tensors(tensors: dict[str, TensorRecord], cfg: LlamaConfig, source: Pa
     extra = sorted(n for n in tensors if n not in want)
     if extra:
         # Unknown tensors (rope_freqs, biases, ...) change the math: refuse, never ignore.
-        raise ModelFileError(f"{source}: unexpected tensor {extra[0]!r} (not part of a plain "
-                             f"Llama with {cfg.n_layers} layers); unsupported variant")
+        raise ModelFileError(f"{source}: unexpected tensor {extra[0]!r} (not part of a {cfg.arch} "
+                             f"model with {cfg.n_layers} layers); unsupported variant")
     for name, shape in want.items():
         rec = tensors[name]
         if rec.shape != shape:

@@ -127,7 +127,7 @@ class Tokenizer:
             if vocab.setdefault(tok, i) != i:
                 raise ModelFileError(f"{path}: token {tok!r} appears twice (ids {vocab[tok]}, {i})")
         if expected_vocab is None:
-            expected_vocab = key("llama.vocab_size", None)
+            expected_vocab = key(f"{key('general.architecture', 'llama')}.vocab_size", None)
             if expected_vocab is None:
                 embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
                 expected_vocab = None if embd is None else int(embd.shape[-1])

@@ -31,10 +31,17 @@ def test_good_files_load(tiny):
     assert load_checkpoint(tiny.hf_dir).format == "safetensors"
 
 
-def test_non_llama_architecture(tmp_path, parts):
+def test_unsupported_architecture(tmp_path, parts):
     w, cfg, vocab = parts
+    path = write_gguf(tmp_path / "gemma.gguf", w, cfg, vocab, arch="gemma2")
+    with pytest.raises(ModelFileError, match=r"gemma\.gguf.*general\.architecture is 'gemma2'; supported"):
+        load_gguf(path)
+
+
+def test_qwen2_without_its_biases_is_refused(tmp_path, parts):
+    w, cfg, vocab = parts            # plain Llama tensors under a qwen2 header: the biases are missing
     path = write_gguf(tmp_path / "qwen.gguf", w, cfg, vocab, arch="qwen2")
-    with pytest.raises(ModelFileError, match=r"qwen\.gguf.*general\.architecture.*'qwen2'"):
+    with pytest.raises(ModelFileError, match=r"qwen\.gguf: missing tensor 'blk\.0\.attn_q\.bias'"):
         load_gguf(path)
 
 

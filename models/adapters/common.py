@@ -46,6 +46,17 @@ def heads(cfg, module: str) -> int | None:
     return cfg.n_heads if m == "attn_q" else cfg.n_kv_heads if m == "attn_k" else None
 
 
+def file_rows(cfg, module: str, rows: np.ndarray, fmt: str, to_file: bool) -> np.ndarray:
+    """A module's output rows (axis 0) between vkdsl's adjacent-pair Q/K order and a file's: HF
+    and PEFT files use the half-split order, GGUF files their family's (llama.cpp permutes Llama's
+    rows, not Qwen's). Other modules' rows pass through."""
+    from ..safetensors_loader import gguf_to_hf_rows, hf_to_gguf_rows
+    h = heads(cfg, module)
+    if h is None or (fmt == "gguf" and cfg.gguf_pairs):
+        return rows
+    return gguf_to_hf_rows(rows, h, axis=0) if to_file else hf_to_gguf_rows(rows, h, axis=0)
+
+
 def model_adapter_arrays(model) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:
     """{module: (A (in, r), B (r, out), scale)} read back from the device."""
     if not model.lora:

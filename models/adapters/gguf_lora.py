@@ -1,8 +1,9 @@
 """GGUF LoRA adapters for llama.cpp `--lora` (as convert_lora_to_gguf.py writes them), both ways.
 
 general.type = adapter, adapter.type = lora, adapter.lora.alpha; `blk.{i}.attn_q.weight.lora_a`
-numpy (r, in) (GGUF dims [in, r]), `.lora_b` numpy (out, r) (dims [r, out]), rows in GGUF order
-(llama.cpp applies adapters to its permuted weights). llama.cpp scales by alpha / r, so the
+numpy (r, in) (GGUF dims [in, r]), `.lora_b` numpy (out, r) (dims [r, out]), rows in the base
+GGUF's order (llama.cpp applies adapters to the file's weights: Llama's Q/K rows permuted, Qwen's
+not); general.architecture is the base's (llama.cpp refuses an adapter of another). llama.cpp scales by alpha / r, so the
 alpha written is s * r (for rsLoRA that is alpha * sqrt(r)); the trainer's own alpha and rsLoRA
 flag are kept under vkdsl.lora.*. The manifest, when given, is embedded as vkdsl.manifest."""
 from __future__ import annotations
@@ -33,7 +34,7 @@ def save(model, path, *, r: int | None = None, alpha: float | None = None,
     r, alpha, rslora = common.infer_hparams(arrays, r, alpha, rslora)
     scale = lora_scale(alpha, r, rslora)
     with atomic_path(path) as tmp:
-        w = GGUFWriter(tmp, "llama")
+        w = GGUFWriter(tmp, model.cfg.gguf_arch)
         w.add_type(GGUFType.ADAPTER)
         w.add_string(Keys.Adapter.TYPE, "lora")
         w.add_float32(Keys.Adapter.LORA_ALPHA, float(scale * r))   # llama.cpp: s = alpha / r
@@ -46,8 +47,9 @@ def save(model, path, *, r: int | None = None, alpha: float | None = None,
         tensors = []
         for name, (A, B, s) in arrays.items():
             Bs = B * np.float32(s / scale) if s != scale else B
+            Bt = common.file_rows(model.cfg, name, Bs.T, "gguf", to_file=True)
             tensors += [(f"{name}.weight.lora_a", np.ascontiguousarray(A.T, ft)),       # (r, in)
-                        (f"{name}.weight.lora_b", np.ascontiguousarray(Bs.T, ft))]      # (out, r)
+                        (f"{name}.weight.lora_b", np.ascontiguousarray(Bt, ft))]        # (out, r)
         if manifest is not None:
             manifest = {**manifest, "weights_sha256": common.tensors_sha256(tensors)}
             w.add_string("vkdsl.manifest", json.dumps(manifest, sort_keys=True, default=str))
@@ -80,8 +82,9 @@ def _read(path: Path, cfg) -> "common.AdapterWeights":
     if key("general.type") != "adapter" or key("adapter.type") != "lora":
         raise ModelFileError(f"{path}: not a GGUF LoRA adapter (general.type = "
                              f"{key('general.type')!r}, adapter.type = {key('adapter.type')!r})")
-    if key("general.architecture") != "llama":
-        raise ModelFileError(f"{path}: general.architecture is {key('general.architecture')!r}, expected 'llama'")
+    if key("general.architecture") != cfg.gguf_arch:
+        raise ModelFileError(f"{path}: general.architecture is {key('general.architecture')!r}, but the model's "
+                             f"is {cfg.gguf_arch!r}")
     alpha_cpp = key("adapter.lora.alpha")
     if alpha_cpp is None:
         raise ModelFileError(f"{path}: missing key 'adapter.lora.alpha'")
@@ -113,6 +116,7 @@ def _read(path: Path, cfg) -> "common.AdapterWeights":
         if b.shape != (d_out, r):
             raise ModelFileError(f"{path}: {kb}: shape {b.shape}, expected ({d_out}, {r})")
         ranks.add(r)
+        b = common.file_rows(cfg, module, b, "gguf", to_file=False)
         modules[module] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T),
                            float(alpha_cpp) / r)
     r = ranks.pop() if len(ranks) == 1 else 0

@@ -16,7 +16,7 @@ from vkdsl.ops.lora import lora_scale
 
 from ..errors import ModelFileError
 from ..manifest import file_sha256, write_manifest
-from ..safetensors_loader import as_f32, gguf_to_hf_rows, hf_to_gguf_rows, read_safetensors, safetensors_bytes
+from ..safetensors_loader import as_f32, read_safetensors, safetensors_bytes
 from . import common
 
 # GGUF module -> (HF submodule path, PEFT target_modules short name)
@@ -38,9 +38,7 @@ def _peft_tensors(arrays, cfg, scale: float) -> dict[str, np.ndarray]:
     for name, (A, B, s) in arrays.items():
         i, m = int(name.split(".")[1]), name.split(".")[2]
         Bt = B.T * np.float32(s / scale) if s != scale else B.T      # (out, r)
-        h = common.heads(cfg, m)
-        if h is not None:
-            Bt = gguf_to_hf_rows(Bt, h, axis=0)
+        Bt = common.file_rows(cfg, m, Bt, "hf", to_file=True)
         key = f"base_model.model.model.layers.{i}.{HF_MODULE[m]}"
         out[key + ".lora_A.weight"] = np.ascontiguousarray(A.T, np.float32)     # (r, in)
         out[key + ".lora_B.weight"] = np.ascontiguousarray(Bt, np.float32)      # (out, r)
@@ -143,9 +141,7 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
             raise ModelFileError(f"{w_path}: {ka}: shape {a.shape}, expected ({r}, {d_in})")
         if Bt.shape != (d_out, r):
             raise ModelFileError(f"{w_path}: {kb}: shape {b.shape}, expected ({d_out}, {r})")
-        h = common.heads(cfg, module)
-        if h is not None:
-            Bt = hf_to_gguf_rows(Bt, h, axis=0)
+        Bt = common.file_rows(cfg, module, Bt, "hf", to_file=False)
         modules[module] = (np.ascontiguousarray(A, np.float32),
                            np.ascontiguousarray(Bt.T, np.float32), scale)
     return common.AdapterWeights(modules, "peft", folder, r, alpha, rslora, config=pc,
