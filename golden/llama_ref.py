@@ -165,8 +165,53 @@ def _gpt2_piece_end(s: str, i: int) -> int:
     return j if j == n or j - i == 1 else j - 1
 
 
-def pretokenize(text: str, split_digits: bool) -> list[str]:
-    """GPT-2 regex pieces; split_digits first isolates every \\p{N} (SmolLM2, StarCoder)."""
+def _split_piece_end(s: str, i: int, max_digits: int) -> int:
+    """End of the match at i of Llama 3's / Qwen2's split regex, alternatives in order:
+    (?i:'s|'t|'re|'ve|'m|'ll|'d) | [^\\r\\n\\p{L}\\p{N}]?\\p{L}+ | \\p{N}{1,max_digits} |
+     ?[^\\s\\p{L}\\p{N}]+[\\r\\n]* | \\s*[\\r\\n]+ | \\s+(?!\\S) | \\s+"""
+    n = len(s)
+    if s[i] == "'":
+        for suffix in ("s", "t", "re", "ve", "m", "ll", "d"):
+            if s[i + 1:i + 1 + len(suffix)].lower() == suffix:
+                return i + 1 + len(suffix)
+    k = i + 1 if s[i] not in "\r\n" and not _letter(s[i]) and not _number(s[i]) else i
+    if k < n and _letter(s[k]):                      # one optional leading non-letter, then letters
+        while k < n and _letter(s[k]):
+            k += 1
+        return k
+    if _number(s[i]):
+        k = i
+        while k < n and k - i < max_digits and _number(s[k]):
+            k += 1
+        return k
+    k = i + 1 if s[i] == " " and i + 1 < n and _other(s[i + 1]) else i
+    if _other(s[k]):
+        while k < n and _other(s[k]):
+            k += 1
+        while k < n and s[k] in "\r\n":
+            k += 1
+        return k
+    j = i
+    while j < n and s[j] in _WHITESPACE:
+        j += 1
+    run = s[i:j]
+    last_newline = max(run.rfind("\r"), run.rfind("\n"))
+    if last_newline >= 0:                            # \s*[\r\n]+: through the run's last newline
+        return i + last_newline + 1
+    return j if j == n or j - i == 1 else j - 1
+
+
+def pretokenize(text: str, split_digits: bool, style: str = "gpt2") -> list[str]:
+    """Pre-tokenizer pieces. style gpt2: GPT-2's regex, split_digits first isolating every \\p{N}
+    (SmolLM2, StarCoder); llama3: Llama 3's regex (up to three digits together); qwen2: the
+    same regex with single digits (the caller NFC-normalizes first, as Qwen's tokenizer does)."""
+    if style in ("llama3", "qwen2"):
+        pieces, i, most = [], 0, 3 if style == "llama3" else 1
+        while i < len(text):
+            j = _split_piece_end(text, i, most)
+            pieces.append(text[i:j])
+            i = j
+        return pieces
     chunks, start = [], 0
     if split_digits:
         for i, c in enumerate(text):
@@ -185,16 +230,19 @@ def pretokenize(text: str, split_digits: bool) -> list[str]:
 
 
 def bpe_encode(text: str, tokens: list[str], merges: list[str], specials: list[str],
-               split_digits: bool = True) -> list[int]:
+               split_digits: bool = True, style: str = "gpt2") -> list[int]:
     """Token ids of text: special tokens matched verbatim (leftmost-longest), the rest
-    pre-tokenized and merged by merge rank, lowest first, leftmost on ties."""
+    pre-tokenized (see pretokenize; qwen2 NFC-normalizes each segment) and merged by merge rank,
+    lowest first, leftmost on ties."""
     vocab = {t: i for i, t in enumerate(tokens)}
     rank = {tuple(m.split(" ", 1)): r for r, m in enumerate(merges)}
     byte_char = bytes_to_unicode()
     ids: list[int] = []
 
     def plain(segment: str) -> None:
-        for piece in pretokenize(segment, split_digits):
+        if style == "qwen2":
+            segment = unicodedata.normalize("NFC", segment)
+        for piece in pretokenize(segment, split_digits, style):
             word = [byte_char[b] for b in piece.encode("utf-8")]
             while len(word) > 1:
                 ranks = [rank.get(pair, np.inf) for pair in zip(word, word[1:])]

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 from .errors import ModelFileError
@@ -27,12 +27,30 @@ def _byte_level(split_digits: bool) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(steps)
 
 
-# tokenizer.ggml.pre -> does it split digits one by one first? Following llama.cpp
-# (llama-vocab.cpp): STARCODER, REFACT, COMMAND_R, SMOLLM, CODESHELL run the regex "\p{N}"
-# and then the GPT-2 regex; GPT2, MPT, OLMO run the GPT-2 regex alone. Other names (llama3,
-# qwen2, deepseek, llama.cpp's "default", ...) use other regexes or BPE options: refused.
-_SPLIT_DIGITS = {"gpt2": False, "mpt": False, "olmo": False, "smollm": True, "starcoder": True,
-                 "refact": True, "command-r": True, "codeshell": True}
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    """A family's own split regex, then byte-level mapping without GPT-2's regex (the form Llama 3's
+    and Qwen2's tokenizer.json files take)."""
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+
+
+# The split regexes llama.cpp (llama-vocab.cpp) and the models' tokenizer.json files use: Llama 3
+# groups up to three digits, Qwen2 isolates each; both attach one leading non-letter to a word.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+# tokenizer.ggml.pre -> (pre-tokenizer, NFC-normalize first). Following llama.cpp: STARCODER,
+# REFACT, COMMAND_R, SMOLLM, CODESHELL isolate digits and run GPT-2's regex; GPT2, MPT, OLMO run
+# GPT-2's alone; llama-bpe (Llama 3) and qwen2 (Qwen2, Qwen2.5, Qwen3) their own regexes; Qwen's
+# tokenizer.json also NFC-normalizes, which HF's tokenizer (what the model was trained with) does.
+# Other names (deepseek, llama.cpp's "default", ...) use other regexes or BPE options: refused.
+_PRE = {**{name: (lambda: _byte_level(False), False) for name in ("gpt2", "mpt", "olmo")},
+        **{name: (lambda: _byte_level(True), False)
+           for name in ("smollm", "starcoder", "refact", "command-r", "codeshell")},
+        "llama-bpe": (lambda: _split_then_bytes(_LLAMA3_SPLIT), False),
+        "qwen2": (lambda: _split_then_bytes(_QWEN2_SPLIT), True)}
 
 # GGUF token types (gguf.TokenType): 3 CONTROL and 4 USER_DEFINED are matched verbatim in text.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -114,9 +132,9 @@ class Tokenizer:
             raise ModelFileError(f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' "
                                  f"(byte-level BPE) is supported")
         pre = key("tokenizer.ggml.pre", None)
-        if pre not in _SPLIT_DIGITS:
+        if pre not in _PRE:
             raise ModelFileError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: "
-                                 f"{', '.join(sorted(_SPLIT_DIGITS))}")
+                                 f"{', '.join(sorted(_PRE))}")
         tokens: list[str] = key("tokenizer.ggml.tokens")
         merges = [tuple(m.split(" ", 1)) for m in key("tokenizer.ggml.merges")]
         types = key("tokenizer.ggml.token_type", [1] * len(tokens))
@@ -137,7 +155,10 @@ class Tokenizer:
             engine = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
         except Exception as e:           # the tokenizers library raises a bare Exception on bad merges
             raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
-        engine.pre_tokenizer = _byte_level(_SPLIT_DIGITS[pre])
+        make_pre, nfc = _PRE[pre]
+        engine.pre_tokenizer = make_pre()
+        if nfc:
+            engine.normalizer = normalizers.NFC()
         engine.decoder = decoders.ByteLevel()
         engine.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                    for t, k in zip(tokens, types) if k == _CONTROL])
