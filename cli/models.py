@@ -104,7 +104,7 @@ def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_
         piece = tok.decode(text_so_far)
         prev = tok.decode(text_so_far[:-1])
         click.echo(piece[len(prev):], nl=False)
-    stop = {tok.eos_id} if tok.eos_id is not None else set()
+    stop = {tok.eos_id, tok.end_of_turn_id} - {None} if chat else {tok.eos_id} - {None}
     out, st = gen.generate(ids, max_new_tokens, temperature, top_p, seed, stop=stop, on_token=show)
     click.echo()
     if stats:

@@ -66,6 +66,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.source = source
         self._template = (None, None)        # (source text, compiled): compiling costs ~6 ms a row
+        self._turn_end = (None, None)        # (template it was found in, token id)
 
     @property
     def vocab_size(self) -> int:
@@ -85,6 +86,25 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._engine.token_to_id(token)
+
+    @property
+    def end_of_turn_id(self) -> int | None:
+        """The token that closes an assistant turn: the first special token the chat template renders
+        after an assistant's content (<|im_end|> for ChatML and Qwen, <|eot_id|> for Llama 3, often
+        not EOS in a base model's files); EOS when there is no template or it renders none."""
+        if not self.chat_template:
+            return self.eos_id
+        if self._turn_end[0] != self.chat_template:
+            mark = "\ue000vkdsl-reply\ue001"
+            text = self.apply_chat_template([{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": mark}], add_generation_prompt=False)
+            after = text[text.find(mark) + len(mark):] if mark in text else ""
+            specials = {self._engine.token_to_id(t.content) for t in self._engine.get_added_tokens_decoder().values()
+                        if t.special}
+            found = next((i for i in self.encode(after, add_special=False) if i in specials), None) \
+                if after else None
+            self._turn_end = (self.chat_template, self.eos_id if found is None else found)
+        return self._turn_end[1]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **extra) -> str:

@@ -93,38 +93,61 @@ def _segments(obj, tok, use_template, where):
         msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
         if "system" in obj:                      # a row's own system turn instead of the template's default
             msgs.insert(0, {"role": "system", "content": _text(obj, "system", where)})
-    segs, done = [], ""
-    for i, m in enumerate(msgs):
-        if m["role"] == "assistant":
-            head = tok.apply_chat_template(msgs[:i], add_generation_prompt=True)
-            segs.append((head[len(done):], False))
-            done = head
-        full = tok.apply_chat_template(msgs[:i + 1], add_generation_prompt=False)
-        if not full.startswith(done):
-            raise DataError(f"{where}: the chat template does not render turns as a prefix of the whole")
-        segs.append((full[len(done):], m["role"] == "assistant"))
-        done = full
-    return segs, msgs
+    return _template_segments(msgs, tok, where), msgs
+
+
+_MARK = "\ue000vkdsl-turn-{}\ue001"     # private-use characters: never in a row's own text
+
+
+def _template_segments(msgs, tok, where):
+    """[(text, supervised)] of the conversation rendered once by the model's template: each
+    assistant turn's content is supervised, the template's markup around it (role headers, Qwen3's
+    empty think block, the turns before) is prompt. The content's place is found by rendering it
+    as a marker; the whole must then equal the real rendering, else the template rewrote it."""
+    marked = [dict(m, content=_MARK.format(k)) if m["role"] == "assistant" else m for k, m in enumerate(msgs)]
+    text = tok.apply_chat_template(marked, add_generation_prompt=False)
+    segs, pos = [], 0
+    for k, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        mark = _MARK.format(k)
+        at = text.find(mark, pos)
+        if at < 0 or text.count(mark) != 1:
+            raise DataError(f"{where}: the chat template does not render messages[{k}] (an assistant turn) once, "
+                            f"in order")
+        segs += [(text[pos:at], False), (m["content"], True)]
+        pos = at + len(mark)
+    segs.append((text[pos:], False))
+    if "".join(t for t, _ in segs) != tok.apply_chat_template(msgs, add_generation_prompt=False):
+        raise DataError(f"{where}: the chat template rewrites an assistant turn's content (e.g. Qwen3 moves "
+                        f"<think>...</think> out of it, or strips it): write the content as it renders")
+    return segs
+
+
+def reply_end(tok, use_template) -> int | None:
+    """The token a supervised reply ends with: the template's end of turn, or EOS for plain text."""
+    return tok.end_of_turn_id if use_template and getattr(tok, "chat_template", None) else tok.eos_id
 
 
 def encode_row(obj, tok, use_template, max_len, side, where) -> Example:
     use_template = use_template and getattr(tok, "chat_template", None) is not None
     segs, _ = _segments(obj, tok, use_template, where)
-    ids, labels = [], []
+    templated = use_template or "messages" in obj
+    turn_end = reply_end(tok, templated)
+    ids, labels, after_reply = [], [], False
     for text, sup in segs:
         t = tok.encode(text, add_special=False) if text else []
         if sup:
-            if tok.eos_id in t:             # supervise through end-of-turn; the newline after it is prompt
-                cut = t.index(tok.eos_id) + 1
-                lab = t[:cut] + [IGNORE] * (len(t) - cut)
-            else:
-                lab = list(t)
-            if not use_template and "messages" not in obj:   # plain text: the completion ends with EOS
+            lab = list(t)
+            if not templated:                   # plain text: the completion ends with EOS
                 t, lab = t + [tok.eos_id], lab + [tok.eos_id]
-            if not any(x != IGNORE for x in lab):
+            if not lab:
                 raise DataError(f"{where}: the completion is empty after tokenization")
         else:
             lab = [IGNORE] * len(t)
+            if after_reply and t and t[0] == turn_end:   # the end-of-turn token is the reply's last
+                lab[0] = t[0]
+        after_reply = sup
         ids += t
         labels += lab
     # Labels are next-token targets: position i predicts ids[i+1].

@@ -10,7 +10,7 @@ import numpy as np
 from vkdsl.models.llama import Llama
 
 from . import evidence
-from .data import IGNORE, encode_row, with_completion
+from .data import IGNORE, encode_row, reply_end, with_completion
 from .distributed import Single
 
 
@@ -29,7 +29,7 @@ class Heldout:
     def _single_token_labels(self, rows, idx, cands):
         """Per row [(answer position, label token) for each label] when every label is one token
         at the same position after an identical prefix; else None (score candidates)."""
-        L = len(self.cfg.labels)
+        L, end = len(self.cfg.labels), reply_end(self.tok, self.cfg.chat_template)
         extra = [[] for _ in rows]
         for j, i in enumerate(idx):
             ex = rows[i]
@@ -37,7 +37,7 @@ class Heldout:
             for c in cands[j * L:(j + 1) * L]:
                 q0 = next(t for t, x in enumerate(c.labels) if x != IGNORE)
                 sup = [x for x in c.labels if x != IGNORE]
-                if q0 != p0 or c.ids[:p0 + 1] != ex.ids[:p0 + 1] or len(sup) != 2 or sup[1] != self.tok.eos_id:
+                if q0 != p0 or c.ids[:p0 + 1] != ex.ids[:p0 + 1] or len(sup) != 2 or sup[1] != end:
                     return None
                 extra[i].append((p0, sup[0]))
         return extra
@@ -143,7 +143,8 @@ class Heldout:
             gen = Generator(self.model, min(ctx, max(len(p) for _, p in prompts) + N))
             out = []
             for ex, prompt in prompts:
-                new, _ = gen.generate(prompt, max(1, min(N, ctx - len(prompt))), stop={self.tok.eos_id})
+                new, _ = gen.generate(prompt, max(1, min(N, ctx - len(prompt))),
+                                      stop={self.tok.eos_id, reply_end(self.tok, self.cfg.chat_template)})
                 out.append({"row": ex.where, "expected": ex.completion.strip(), "generated": self.tok.decode(new)})
         finally:
             self.model.lora = saved
