@@ -1,5 +1,7 @@
 """Text generation with a KV cache: one traced prefill per prompt-length bucket, then one
-traced single-token step replayed per new token."""
+traced single-token step replayed per new token. The prefill stops at the final norm and the
+head runs on the rows asked for, in chunks one storage binding holds (a 152k vocabulary's logits
+for a 512-token prompt would be 311 MB)."""
 from __future__ import annotations
 
 import math
@@ -48,23 +50,30 @@ class Generator:
         self.cache = KVCache(self.cfg, self.L)
         c = self.cfg
 
-        def prefill(ids):                                   # ids (1, Tb)
+        def prefill(ids):                                   # ids (1, Tb) -> final hidden states
             self.cache.onehot = None
-            return self.model.forward(ids, kv=self.cache)
+            return self.model.forward(ids, kv=self.cache, hidden_only=True)
 
         def step(ids, cos, sin, onehot, mask):             # ids (1, 1); onehot, mask (L,)
             self.cache.onehot = onehot
             return self.model.forward(ids, cos=cos, sin=sin, kv=self.cache, mask=mask.reshape(1, 1, self.L))
         self._prefill, self._step = vkdsl.trace(prefill), vkdsl.trace(step)
-        cos, sin = nn.rope_tables(np.arange(self.L), c.head_dim, c.rope_base)
+        self._head = vkdsl.trace(lambda h: self.model.head(h))
+        cos, sin = nn.rope_tables(np.arange(self.L), c.head_dim, c.rope_base, c.rope_freq_divisors)
         self._cos, self._sin = cos, sin
 
-    def logits_prefill(self, ids: list[int]) -> np.ndarray:
+    def logits_prefill(self, ids: list[int], last_only: bool = False) -> np.ndarray:
+        """Logits (T, vocab) of the prompt's positions, or (1, vocab) of its last with last_only."""
         T = len(ids)
         Tb = min(self.L, BUCKET * math.ceil(T / BUCKET))
         padded = np.zeros((1, Tb), np.int32)
         padded[0, :T] = ids                                 # right padding: causal rows < T never see it
-        return self._prefill(padded)[0, :T]
+        h = np.asarray(self._prefill(padded))[0]           # (Tb, dim)
+        if last_only:
+            return self._head(h[T - 1:T])
+        n = min(self.model.logit_rows, Tb)
+        h = np.concatenate([h, np.zeros((-Tb % n, h.shape[1]), h.dtype)])   # whole chunks: few programs
+        return np.concatenate([self._head(h[s:s + n]) for s in range(0, len(h), n)])[:T]
 
     def logits_step(self, token: int, pos: int) -> np.ndarray:
         onehot = np.zeros(self.L, np.float32)
@@ -79,7 +88,7 @@ class Generator:
         """Returns (new ids, stats). Greedy when temperature == 0."""
         rng = np.random.default_rng(seed)
         t0 = time.perf_counter()
-        logits = self.logits_prefill(ids)[-1]
+        logits = self.logits_prefill(ids, last_only=True)[-1]
         t_prefill = time.perf_counter() - t0
         out, pos = [], len(ids)
         t1 = time.perf_counter()

@@ -22,7 +22,7 @@ from vkdsl.ops import attention, nn
 
 from .config import LINEARS, LlamaConfig
 from .tensors import LlamaCheckpoint
-from .weights import device_weight, planned_bytes
+from .weights import binding_limit, device_weight, planned_bytes
 
 
 
@@ -102,6 +102,13 @@ class Llama:
     @lora.setter
     def lora(self, table):
         self._lora = AdapterTable(table)
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits per head call: 256 rows of SmolLM2's 49k vocabulary (48 MiB), fewer for a
+        larger one, so a program's vocabulary-wide temporaries stay that size (a 152k vocabulary's
+        256 rows would be 156 MB each, over the 128 MiB binding of lavapipe and the minimal profile)."""
+        return max(1, min(256, min(48 << 20, binding_limit()) // (4 * self.cfg.vocab_size)))
 
     # ---- memory honesty ----
     def device_bytes(self) -> dict:

@@ -95,3 +95,15 @@ def test_mistral_without_a_sliding_window_is_llama(tmp_path, tiny):
     d = _with_config(tmp_path, tiny, "gemma2", model_type="gemma2")
     with pytest.raises(ModelFileError, match="model_type is 'gemma2'"):
         load_checkpoint(d)
+
+
+def test_cached_generation_steps_use_the_scaled_frequencies(tiny):
+    """The KV-cache step has its own RoPE tables: they must carry the scaling too."""
+    from vkdsl.models.generate import Generator
+    ck = load_checkpoint(tiny.gguf_path)
+    gen = Generator(Llama(ck), 32)
+    ref = llama_ref.forward(ck.dequantized(), dict(ck.config.to_dict(), inv_freq=tiny.cfg["inv_freq"]), IDS)
+    gen.logits_prefill(IDS[:8])
+    for pos in range(8, len(IDS)):
+        step = gen.logits_step(IDS[pos], pos)
+        assert np.abs(step - ref[pos]).max() <= 1e-3 * np.abs(ref).max(), pos

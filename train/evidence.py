@@ -15,7 +15,7 @@ from vkdsl.ops import losses
 
 from .data import IGNORE, Example, collate
 from .prefix import FrozenPrefix
-from .step import selected_logits
+from .step import head_rows, selected_hidden
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -54,9 +54,9 @@ class Scorer:
     def _build(self, on):
         @vkdsl.trace
         def score(ids, pos, labels):
-            lg = selected_logits(self.model, ids, pos, on, self.prefix.start)
-            lp, _ = losses.token_logprobs(lg, labels)
-            return [lp, losses.greedy_gap(lg, labels)]
+            h = selected_hidden(self.model, ids, pos, on, self.prefix.start)
+            return head_rows(self.model, h, lambda lg, lab: (losses.token_logprobs(lg, lab)[0],
+                                                             losses.greedy_gap(lg, lab)), labels)
         return score
 
     def row_logprobs(self, rows: list[Example], adapters_on=True, extra=None):

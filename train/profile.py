@@ -83,7 +83,7 @@ def profile_sft(path=None) -> list[dict]:
     x = r.stepper.prefix.feed(ids, labels)              # the stream entering the first adapted layer
     args = [x, pos, lab, np.ones(1, np.float32)]
     if r.stepper.base_cache is not None:
-        args.append(r.stepper.base_cache.logits(ids, labels, pos, x))
+        args += r.stepper._chunks(r.stepper.base_cache.logits(ids, labels, pos, x))
     return table(r.stepper.fn.program(*args), r.model.cfg.vocab_size, wall / len(micro), "sft")
 
 

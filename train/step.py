@@ -47,23 +47,23 @@ def selected_hidden(model, ids, pos, adapters_on, start=0, packing=()):
     return h.reshape(B * T, model.cfg.dim).gather(pos)
 
 
-def selected_logits(model, ids, pos, adapters_on, start=0, packing=()):
-    return model.head(selected_hidden(model, ids, pos, adapters_on, start, packing))         # (S, V)
-
-
-HEAD_CHUNK = 256     # rows of logits per head call: 256 x 49152 x 4 B = 48 MiB, under storage-buffer limits
-
-
 def head_rows(model, h, fn, *row_inputs):
-    """The LM head fused with a per-row loss, in chunks of HEAD_CHUNK rows: fn(logits, *row_inputs
-    chunk) -> (objective rows, *report rows). Each chunk's logits live only for its own forward
-    (vkdsl.autograd.rowwise); returns the concatenated rows of each output."""
-    outs = []
-    for s in range(0, h.shape[0], HEAD_CHUNK):
-        part = rowwise(lambda hc, *xs: fn(model.head(hc), *xs), h[s:s + HEAD_CHUNK],
-                       *(x[s:s + HEAD_CHUNK] for x in row_inputs))
+    """The LM head fused with a per-row loss, in chunks of model.logit_rows rows (256, or what one
+    storage binding holds of a large vocabulary): fn(logits, *row_inputs chunk) -> (objective rows,
+    *report rows). Each chunk's logits live only for its own forward (vkdsl.autograd.rowwise);
+    returns the concatenated rows of each output. A row input is an (S, ...) tensor, or a tuple of
+    its chunks (base logits, which one binding may not hold whole: see split_rows)."""
+    outs, n = [], model.logit_rows
+    for k, s in enumerate(range(0, h.shape[0], n)):
+        xs = [x[k] if isinstance(x, tuple) else x[s:s + n] for x in row_inputs]
+        part = rowwise(lambda hc, *xs: fn(model.head(hc), *xs), h[s:s + n], *xs)
         outs.append(part if isinstance(part, tuple) else (part,))
     return [o[0] if len(outs) == 1 else _cat([p[i] for p in outs]) for i, o in enumerate(zip(*outs))]
+
+
+def split_rows(a: np.ndarray, n: int) -> list:
+    """a's rows in chunks of n (head_rows' chunks), each its own input buffer."""
+    return [a[s:s + n] for s in range(0, len(a), n)]
 
 
 def _cat(parts):
@@ -78,23 +78,25 @@ def _cat(parts):
 
 def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0, packed: bool = False):
     """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, positions, segments (B,T)] [, base
-    logits (S,V)]) -> (ce_sum, kl_sum, *grads). base_input: the base model's logits come in (cached)
-    instead of a base forward. start > 0: ids is the frozen prefix's output (train.prefix).
-    packed: rows share sequences (train.packing): their positions and segment ids come in too."""
-    def rows(lg, labels, *base_lg):
+    logits (S,V) as split_rows' chunks]) -> (ce_sum, kl_sum, *grads). base_input: the base model's
+    logits come in (cached) instead of a base forward. start > 0: ids is the frozen prefix's output
+    (train.prefix). packed: rows share sequences (train.packing): their positions and segment ids
+    come in too."""
+    def rows(lg, labels, *base):
         ce = -losses.token_logprobs(lg, labels)[0]
-        if not base_lg:
+        if not base:
             return ce, ce
-        kl = losses.tmkl_rows(lg, base_lg[0], labels)
+        base_lg = base[0] if base_input else model.head(base[0])     # cached logits, or the base's hidden rows
+        kl = losses.tmkl_rows(lg, base_lg, labels)
         return ce + kl * lam, ce, kl
 
     @vkdsl.trace
     def grad_step(ids, pos, labels, inv_n, *rest):
         pk, base = (rest[:2], rest[2:]) if packed else ((), rest)
         h = selected_hidden(model, ids, pos, True, start, pk)
-        base_lg = () if lam <= 0 else (base[0],) if base_input else \
-            (selected_logits(model, ids, pos, False, start, pk),)
-        obj, ce, *kl = head_rows(model, h, rows, labels, *base_lg)
+        base_rows = () if lam <= 0 else (tuple(base),) if base_input else \
+            (selected_hidden(model, ids, pos, False, start, pk),)
+        obj, ce, *kl = head_rows(model, h, rows, labels, *base_rows)
         ce_sum = ce.sum()
         kl_sum = kl[0].sum() if kl else ce_sum * 0.0
         gs = grad(obj.sum() * inv_n[0], params)
@@ -111,11 +113,14 @@ class BaseLogitCache:
     def __init__(self, model, budget_bytes: int, start: int = 0):
         self.budget, self.bytes, self.rows = int(budget_bytes), 0, {}
         self.hits = self.misses = 0
+        self.model = model
+        self.hidden = vkdsl.trace(lambda ids, pos: selected_hidden(model, ids, pos, False, start))
+        self.head = vkdsl.trace(lambda h: model.head(h))
 
-        @vkdsl.trace
-        def base_logits(ids, pos):
-            return selected_logits(model, ids, pos, False, start)
-        self.fn = base_logits
+    def fn(self, ids, pos) -> np.ndarray:
+        """(S, V) base logits at the flat positions pos, the head in chunks one binding holds."""
+        h = np.asarray(self.hidden(ids, pos))
+        return np.concatenate([np.asarray(self.head(c)) for c in split_rows(h, self.model.logit_rows)])
 
     @staticmethod
     def key(ids_row: np.ndarray, lab_row: np.ndarray) -> bytes:
@@ -214,32 +219,35 @@ class Stepper:
         for ids, labels, *lengths in micro:
             pos, lab = select(labels)
             x = self.prefix.feed(ids, labels)
-            base = () if self.base_cache is None else (self.base_cache.logits(ids, labels, pos, x),)
+            base = None if self.base_cache is None else self.base_cache.logits(ids, labels, pos, x)
             pk = Packing.plan(lengths[0], ids.shape[1]) if self.pack and lengths else None
             if pk is not None and pk.packed:
                 out = self._packed(pk, ids, labels, x, base, inv)
                 count["computed"] += pk.n_seq * pk.T
                 count["packed"] += 1
             else:
-                out = self.fn(x, pos, lab, inv, *base)
+                out = self.fn(x, pos, lab, inv, *self._chunks(base))
                 count["computed"] += ids.size
             ce, kl = ce + float(out[0]), kl + float(out[1])
             gs = [np.asarray(g, np.float32) for g in out[2:]]
             acc = gs if acc is None else [a + g for a, g in zip(acc, gs)]
         return acc, ce, kl, count
 
+    def _chunks(self, base):
+        return () if base is None else split_rows(base, self.model.logit_rows)
+
     def _packed(self, pk, ids, labels, x, base, inv):
         """The step on packed rows: the frozen prefix's streams and cached base logits (computed row
         by row in the padded layout) are moved to the packed layout."""
         plab = pk.apply(labels, IGNORE)
         pos, lab = select(plab)
-        if base:
+        if base is not None:
             order = pk.supervised_order(labels)
-            moved = np.zeros((len(pos),) + base[0].shape[1:], np.float32)
-            moved[:len(order)] = base[0][order]
-            base = (moved,)
+            moved = np.zeros((len(pos),) + base.shape[1:], np.float32)
+            moved[:len(order)] = base[order]
+            base = moved
         feed = pk.apply(x, 0)
-        return self.fn_packed(feed, pos, lab, inv, pk.positions(), pk.segments(), *base)
+        return self.fn_packed(feed, pos, lab, inv, pk.positions(), pk.segments(), *self._chunks(base))
 
     def step(self, micro, lr, rehearsal=None, group=None):
         """rehearsal: (micro-batches of general text, weight w): the objective becomes the task's
