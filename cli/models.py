@@ -150,22 +150,31 @@ def merge(device, model_path, adapter, out, out_type, compare_text, force, as_js
             click.echo(f"  {k}: {report[k]}")
 
 
+FAMILY = {"llama": "Llama (SmolLM2, Llama 2/3.x)", "mistral": "Mistral (no sliding window)",
+          "qwen2": "Qwen2 / Qwen2.5 (q/k/v biases)", "qwen3": "Qwen3 (per-head q/k RMSNorm)"}
+
+
 @click.command()
 @device_option
 @model_option
 @click.option("--json", "as_json", is_flag=True)
 def info(device, model_path, as_json):
-    """Model hyper-parameters and the bytes its weights occupy on the device vs fp32."""
+    """Model family, hyper-parameters, tokenizer and the bytes its weights occupy on the device vs fp32."""
     open_device(device, announce=not as_json)
     model, tok = _load_model(model_path)
     mem = model.device_bytes()
-    row = {"model": model.source, **model.cfg.to_dict(), **mem}
+    c = model.cfg
+    row = {"model": model.source, "format": model.format, "family": FAMILY[c.arch], **c.to_dict(),
+           "stored_types": model.stored_types, "tokenizer_vocab": tok.vocab_size,
+           "chat_template": bool(tok.chat_template), "end_of_turn": tok.id_to_token(tok.end_of_turn_id)
+           if tok.end_of_turn_id is not None else None, **mem}
     if as_json:
         click.echo(json.dumps(row, default=str))
     else:
         d = row.pop("rope_freq_divisors")
         row["rope_scaling"] = (f"{len(d)} frequency divisors, {min(d):g} .. {max(d):g} (Llama 3 style)" if d
                                else "none")
+        row["stored_types"] = ", ".join(f"{t} x{n}" for t, n in row["stored_types"].items())
         for k, v in row.items():
             click.echo(f"{k:>18}: {v}")
         click.echo(f"{'ratio':>18}: {mem['device_bytes'] / mem['fp32_bytes']:.3f} of fp32")

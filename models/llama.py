@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,8 @@ class Llama:
         """quant: 'keep' keeps each tensor's stored block format (GGUF Q4_0/Q4_1/Q8_0 stay packed);
         'none' dequantizes to fp32; 'int4' / 'nf4' quantize dense weights on load."""
         self.cfg: LlamaConfig = ckpt.config
-        self.source = ckpt.source
+        self.source, self.format = ckpt.source, ckpt.format
+        self.stored_types = dict(Counter(r.ggml_type for r in ckpt.tensors.values()).most_common())
         c = self.cfg
         # the whole model's device bytes, refused up front rather than half-allocated
         need = sum(planned_bytes(ckpt[n], quant) for n in ckpt.tensors) + 4 * c.context_length * c.head_dim

@@ -163,3 +163,17 @@ def test_a_short_lora_run_learns_with_the_familys_module_names(tiny, tmp_path):
     first, last = losses["q_proj"][:2], losses["q_proj"][-2:]
     assert np.mean(last) < 0.7 * np.mean(first), losses
     assert losses["q_proj"] == losses["attn_q"]          # HF and GGUF names pick the same modules
+
+
+def test_info_names_the_family_and_what_it_adds(tiny):
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "vkdsl.cli", "info", "--json", "--model", str(tiny.hf_dir)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    row = json.loads(p.stdout.strip().splitlines()[-1])
+    assert row["arch"] == tiny.cfg["arch"] and row["format"] == "safetensors"
+    assert (row["qkv_bias"], row["qk_norm"], row["head_dim"]) == (tiny.cfg["qkv_bias"], tiny.cfg["qk_norm"],
+                                                                  tiny.cfg["head_dim"])
+    assert row["family"].startswith({"qwen2": "Qwen2", "qwen3": "Qwen3"}[tiny.cfg["arch"]])
+    assert row["end_of_turn"] == "<|im_end|>" and row["device_bytes"] > 0
