@@ -265,6 +265,46 @@ def bpe_encode(text: str, tokens: list[str], merges: list[str], specials: list[s
     return ids
 
 
+def spm_encode(text: str, tokens: list[str], scores: list[float], types: list[int],
+               add_space_prefix: bool = True) -> list[int]:
+    """SentencePiece BPE (Llama 2, Mistral): control/user tokens matched verbatim, each other segment
+    gets U+2581 for every space (and one in front), then the adjacent pair whose concatenation is a
+    normal piece with the highest score merges, leftmost on ties, until none does; pieces outside
+    the vocabulary become their UTF-8 bytes' <0xNN> tokens."""
+    normal = {t: i for i, t in enumerate(tokens) if types[i] == 1}
+    specials = [t for t, k in zip(tokens, types) if k in (2, 3, 4)]
+    byte_id = {int(t[3:5], 16): i for i, t in enumerate(tokens) if types[i] == 6}
+    ids: list[int] = []
+
+    def plain(segment: str) -> None:
+        if not segment:
+            return
+        sym = list(("\u2581" + segment if add_space_prefix else segment).replace(" ", "\u2581"))
+        while len(sym) > 1:
+            best, at = None, -1
+            for k in range(len(sym) - 1):
+                j = normal.get(sym[k] + sym[k + 1])
+                if j is not None and (best is None or scores[j] > best):
+                    best, at = scores[j], k
+            if at < 0:
+                break
+            sym[at:at + 2] = [sym[at] + sym[at + 1]]
+        for piece in sym:
+            ids.extend([normal[piece]] if piece in normal else [byte_id[b] for b in piece.encode("utf-8")])
+
+    start = i = 0
+    while i < len(text):
+        hit = max((t for t in specials if text.startswith(t, i)), key=len, default=None)
+        if hit is None:
+            i += 1
+            continue
+        plain(text[start:i])
+        ids.append(tokens.index(hit))
+        start = i = i + len(hit)
+    plain(text[start:])
+    return ids
+
+
 def bpe_decode(ids, tokens: list[str], specials: list[str]) -> str:
     """Text of ids: byte-level characters back to bytes, special tokens verbatim."""
     char_byte = {c: b for b, c in bytes_to_unicode().items()}

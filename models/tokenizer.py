@@ -52,8 +52,58 @@ _PRE = {**{name: (lambda: _byte_level(False), False) for name in ("gpt2", "mpt",
         "llama-bpe": (lambda: _split_then_bytes(_LLAMA3_SPLIT), False),
         "qwen2": (lambda: _split_then_bytes(_QWEN2_SPLIT), True)}
 
-# GGUF token types (gguf.TokenType): 3 CONTROL and 4 USER_DEFINED are matched verbatim in text.
-_CONTROL, _USER_DEFINED = 3, 4
+# GGUF token types (gguf.TokenType): 2 UNKNOWN, 3 CONTROL and 4 USER_DEFINED are matched verbatim in
+# text; 1 NORMAL tokens are what BPE merges into; 6 BYTE are SentencePiece's <0xNN> fallbacks.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+
+
+def _byte_level_engine(key, path, vocab) -> _HFTokenizer:
+    """GPT-2 style BPE: merges from tokenizer.ggml.merges, the pre-tokenizer tokenizer.ggml.pre names."""
+    pre = key("tokenizer.ggml.pre", None)
+    if pre not in _PRE:
+        raise ModelFileError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: {', '.join(sorted(_PRE))}")
+    merges = [tuple(m.split(" ", 1)) for m in key("tokenizer.ggml.merges")]
+    try:
+        engine = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    except Exception as e:           # the tokenizers library raises a bare Exception on bad merges
+        raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
+    make_pre, nfc = _PRE[pre]
+    engine.pre_tokenizer = make_pre()
+    if nfc:
+        engine.normalizer = normalizers.NFC()
+    engine.decoder = decoders.ByteLevel()
+    return engine
+
+
+def _spm_engine(key, path, vocab, types) -> _HFTokenizer:
+    """SentencePiece BPE (tokenizer.ggml.model 'llama') as Hugging Face's converted tokenizers run it:
+    spaces become U+2581 with one in front (add_space_prefix), pieces merge highest score first --
+    as BPE merges ranked by the merged piece's score -- and characters outside the vocabulary fall
+    back to <0xNN> byte tokens."""
+    scores = key("tokenizer.ggml.scores")
+    if len(scores) != len(vocab):
+        raise ModelFileError(f"{path}: {len(vocab)} tokens but {len(scores)} tokenizer.ggml.scores")
+    if key("tokenizer.ggml.remove_extra_whitespaces", False):
+        raise ModelFileError(f"{path}: tokenizer.ggml.remove_extra_whitespaces = true is not supported")
+    unk = key("tokenizer.ggml.unknown_token_id", None)
+    normal = {t for t, i in vocab.items() if types[i] == _NORMAL}
+    ranked = []
+    for t in normal:
+        for k in range(1, len(t)):
+            if t[:k] in normal and t[k:] in normal:
+                ranked.append((-scores[vocab[t]], vocab[t], vocab[t[:k]], t[:k], t[k:]))
+    merges = [(a, b) for *_, a, b in sorted(ranked)]
+    engine = _HFTokenizer(models.BPE(vocab, merges, unk_token=None if unk is None else _token(vocab, int(unk)),
+                                     fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Prepend("\u2581")] if key("tokenizer.ggml.add_space_prefix", True) else []
+    engine.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+    engine.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                       + ([decoders.Strip(" ", 1, 0)] if steps else []))
+    return engine
+
+
+def _token(vocab: dict, i: int) -> str:
+    return next(t for t, j in vocab.items() if j == i)
 
 
 class Tokenizer:
@@ -148,15 +198,10 @@ class Tokenizer:
             return read_key(reader, name, default, path=path)
 
         kind = key("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ModelFileError(f"{path}: tokenizer.ggml.model is {kind!r}; only 'gpt2' "
-                                 f"(byte-level BPE) is supported")
-        pre = key("tokenizer.ggml.pre", None)
-        if pre not in _PRE:
-            raise ModelFileError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: "
-                                 f"{', '.join(sorted(_PRE))}")
+        if kind not in ("gpt2", "llama"):
+            raise ModelFileError(f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level "
+                                 f"BPE), 'llama' (SentencePiece BPE: Llama 2, Mistral)")
         tokens: list[str] = key("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in key("tokenizer.ggml.merges")]
         types = key("tokenizer.ggml.token_type", [1] * len(tokens))
         if len(types) != len(tokens):
             raise ModelFileError(f"{path}: {len(tokens)} tokens but {len(types)} token types")
@@ -171,17 +216,9 @@ class Tokenizer:
                 expected_vocab = None if embd is None else int(embd.shape[-1])
         _check_vocab(len(tokens), expected_vocab, path)
 
-        try:
-            engine = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        except Exception as e:           # the tokenizers library raises a bare Exception on bad merges
-            raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
-        make_pre, nfc = _PRE[pre]
-        engine.pre_tokenizer = make_pre()
-        if nfc:
-            engine.normalizer = normalizers.NFC()
-        engine.decoder = decoders.ByteLevel()
+        engine = _byte_level_engine(key, path, vocab) if kind == "gpt2" else _spm_engine(key, path, vocab, types)
         engine.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                   for t, k in zip(tokens, types) if k == _CONTROL])
+                                   for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL)])
         engine.add_tokens([AddedToken(t, special=False, normalized=False)
                            for t, k in zip(tokens, types) if k == _USER_DEFINED])
 

@@ -1,7 +1,7 @@
 """Assistant masks under the families' own chat templates (Qwen2.5's, Qwen3's with its think
-markup, Llama 3.2's; tests/fixtures/templates/ holds them as the models ship them): the supervised
+markup, Mistral Nemo's, Llama 3.2's; tests/fixtures/templates/ holds them as the models ship them): the supervised
 tokens of a rendered row are exactly each assistant turn's content plus the turn's end token
-(<|im_end|> for Qwen, <|eot_id|> for Llama 3 -- the published formats, named here, not looked up
+(<|im_end|> for Qwen, </s> for Mistral, <|eot_id|> for Llama 3 -- the published formats, named here, not looked up
 by the code under test), and the rest of the rendering is prompt."""
 import json
 from pathlib import Path
@@ -18,6 +18,7 @@ FAMILIES = {
     "qwen2.5": ("qwen2.5.jinja", [], None, "<|im_end|>", "<|im_end|>"),
     "qwen3": ("qwen3.jinja", ["<think>", "</think>"], None, "<|im_end|>", "<|im_end|>"),
     "qwen3-base": ("qwen3.jinja", ["<think>", "</think>"], None, "<|endoftext|>", "<|im_end|>"),
+    "mistral-nemo": ("mistral-nemo.jinja", ["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", "</s>"),
     "llama3.2": ("llama3.2.jinja", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
                  "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
 }
@@ -64,7 +65,7 @@ def test_supervised_tokens_are_the_replies_and_their_end_of_turn(tmp_path, famil
     p0 = next(i for i, t in enumerate(ex.labels) if t != IGNORE)
     head = tok.decode(ex.ids[:p0 + 1])
     assert head.endswith({"qwen2.5": "<|im_start|>assistant\n", "qwen3": "<|im_start|>assistant\n",
-                          "qwen3-base": "<|im_start|>assistant\n",
+                          "qwen3-base": "<|im_start|>assistant\n", "mistral-nemo": "[/INST]",
                           "llama3.2": "<|start_header_id|>assistant<|end_header_id|>\n\n"}[family])
 
 
