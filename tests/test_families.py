@@ -1,4 +1,5 @@
-"""Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm, head_dim * heads != dim) beside Llama.
+"""Mistral (a "llama" GGUF with a SentencePiece tokenizer; config.json model_type mistral), Qwen2
+(q/k/v biases) and Qwen3 (per-head q/k RMSNorm, head_dim * heads != dim) beside Llama.
 
 Tiny random models of each family are written by the tests in both formats (the gguf package's
 writer, Qwen GGUF files in Hugging Face's Q/K row order as llama.cpp's converter leaves them;
@@ -10,8 +11,8 @@ GGUF adapter, applied to the base file's weights in the file's order as llama.cp
 Tolerances: device fp32 vs float64 reference max |diff| <= 1e-3 * max |ref| (as the Llama
 tests); round trips through our own files <= 1e-6.
 """
+import dataclasses
 import json
-import math
 
 import numpy as np
 import pytest
@@ -26,13 +27,13 @@ from vkdsl.models import load_checkpoint, load_model_files
 from vkdsl.models.adapters import LINEARS, load_adapter, module_shape, save_gguf_adapter, save_peft
 from vkdsl.models.llama import Llama
 from vkdsl.models.merge import compare_logits, merge
-from vkdsl.models.safetensors_loader import gguf_name_to_hf, hf_name_to_gguf
+from vkdsl.models.safetensors_loader import gguf_name_to_hf, gguf_to_hf_rows, hf_to_gguf_rows
 from vkdsl.ops.lora import LoRA
 from vkdsl_golden import hf_ref
 
 IDS = [5, 17, 200, 33, 9, 1, 2, 250, 44, 45, 46, 7, 8, 9]
 R, SCALE = 4, 2.0
-ARCHS = ("qwen2", "qwen3")
+ARCHS = ("mistral", "qwen2", "qwen3")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -62,18 +63,26 @@ def random_lora(model, seed=0):
             model.lora[f"blk.{i}.{m}"] = LoRA(vkdsl.tensor(A), vkdsl.tensor(B), SCALE)
 
 
+def file_order(cfg, name, w):
+    """HF rows of a tensor as the family's GGUF holds them (llama.cpp permutes Llama's, Mistral's)."""
+    if cfg["arch"] != "mistral" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+        return w
+    return hf_to_gguf_rows(w, cfg["n_heads"] if "q_proj" in name else cfg["n_kv_heads"])
+
+
 def test_both_formats_load_the_family(tiny):
     a, b = load_checkpoint(tiny.gguf_path), load_checkpoint(tiny.hf_dir)
-    assert a.config == b.config and a.config.arch == tiny.cfg["arch"]
+    assert b.config.arch == tiny.cfg["arch"]       # a Mistral GGUF says "llama": the same computation
+    assert a.config == dataclasses.replace(b.config, arch={"mistral": "llama"}.get(b.config.arch, b.config.arch))
     assert (a.config.qkv_bias, a.config.qk_norm) == (tiny.cfg["qkv_bias"], tiny.cfg["qk_norm"])
     assert sorted(a.tensors) == sorted(b.tensors)
     for n in a.tensors:                       # the same numbers in the same (pair) order from both files
         np.testing.assert_array_equal(a[n].dequantize(), b[n].dequantize(), err_msg=n)
-    # the GGUF file itself keeps HF's row order (nothing permuted by the writer), as llama.cpp's is
+    # the GGUF file itself holds the family's row order (Qwen: HF's), as llama.cpp's converter writes it
     gg = {t.name: t for t in GGUFReader(tiny.gguf_path).tensors}
     q = gguf_name_to_hf("blk.0.attn_q.weight")
     np.testing.assert_array_equal(dequantize(gg["blk.0.attn_q.weight"].data, gg["blk.0.attn_q.weight"].tensor_type)
-                                  .reshape(tiny.hf_weights[q].shape), tiny.hf_weights[q])
+                                  .reshape(tiny.hf_weights[q].shape), file_order(tiny.cfg, q, tiny.hf_weights[q]))
 
 
 @pytest.mark.parametrize("fmt", ["gguf", "hf"])
@@ -83,7 +92,9 @@ def test_forward_matches_the_transformers_reference(tiny, fmt):
     ref = hf_ref.forward(tiny.hf_weights, tiny.cfg, IDS)
     close(lg, ref)
     # what the family adds is seen: the reference without it is far outside the tolerance
-    extra = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}[tiny.cfg["arch"]]
+    extra = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}.get(tiny.cfg["arch"])
+    if extra is None:
+        return
     plain = hf_ref.forward(tiny.hf_weights, dict(tiny.cfg, **{extra: False}), IDS)
     assert np.abs(plain - ref).max() > 30 * 1e-3 * np.abs(ref).max()
 
@@ -122,7 +133,7 @@ def test_peft_export_is_transformers_peft(tiny, adapted):
 def test_gguf_adapter_applies_to_the_base_file_as_llama_cpp_does(tiny, adapted):
     """W_file += (alpha / r) B A on the base GGUF's own tensors, in the file's row order."""
     ad = GGUFReader(adapted["gguf"])
-    assert ad.fields["general.architecture"].contents() == tiny.cfg["arch"]
+    assert ad.fields["general.architecture"].contents() == {"mistral": "llama"}.get(tiny.cfg["arch"], tiny.cfg["arch"])
     s = ad.fields["adapter.lora.alpha"].contents() / R
     lora = {t.name: np.asarray(t.data, np.float64).reshape(tuple(reversed(t.shape.tolist()))) for t in ad.tensors}
     weights = {}
@@ -131,7 +142,10 @@ def test_gguf_adapter_applies_to_the_base_file_as_llama_cpp_does(tiny, adapted):
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(shape)
         if t.name + ".lora_a" in lora:
             w = w + s * lora[t.name + ".lora_b"] @ lora[t.name + ".lora_a"]     # (out, r) @ (r, in)
-        weights[gguf_name_to_hf(t.name)] = w
+        hf = gguf_name_to_hf(t.name)
+        if hf.endswith(("q_proj.weight", "k_proj.weight")) and tiny.cfg["arch"] == "mistral":   # back to HF rows
+            w = gguf_to_hf_rows(w, tiny.cfg["n_heads"] if "q_proj" in hf else tiny.cfg["n_kv_heads"])
+        weights[hf] = w
     close(adapted["lg"], hf_ref.forward(weights, tiny.cfg, IDS))
 
 
@@ -177,5 +191,5 @@ def test_info_names_the_family_and_what_it_adds(tiny):
     assert row["arch"] == tiny.cfg["arch"] and row["format"] == "safetensors"
     assert (row["qkv_bias"], row["qk_norm"], row["head_dim"]) == (tiny.cfg["qkv_bias"], tiny.cfg["qk_norm"],
                                                                   tiny.cfg["head_dim"])
-    assert row["family"].startswith({"qwen2": "Qwen2", "qwen3": "Qwen3"}[tiny.cfg["arch"]])
-    assert row["end_of_turn"] == "<|im_end|>" and row["device_bytes"] > 0
+    assert row["family"].startswith({"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[tiny.cfg["arch"]])
+    assert row["end_of_turn"] == {"mistral": "</s>"}.get(tiny.cfg["arch"], "<|im_end|>") and row["device_bytes"] > 0
