@@ -16,11 +16,12 @@ BENCHES = {
     "replay": ("vkdsl.bench:bench_replay",
                "A traced 1000-dispatch program replayed vs the same dispatches recorded by hand.", []),
     "model": ("vkdsl.models.bench:bench_model",
-              "SmolLM2 prompt processing and generation tokens/s beside a numpy float32 forward.",
+              "Prompt processing and generation tokens/s (SmolLM2, or --model) beside a numpy float32 forward.",
               [click.Option(["--model", "model_path"], default=None, metavar="PATH")]),
     "train": ("vkdsl.train.profile:bench_or_profile",
-              "SmolLM2 training-step speed (SFT at 4 x 256, or DPO at 4 pairs x 64) and device memory.",
-              [click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft", show_default=True),
+              "Training-step speed (SFT at 4 x 256, or DPO at 4 pairs x 64; SmolLM2, or --model) and device memory.",
+              [click.Option(["--model", "model_path"], default=None, metavar="PATH"),
+               click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft", show_default=True),
                click.Option(["--by-kernel", "by_kernel"], is_flag=True,
                             help="time per kernel class of one step (each dispatch alone), GFLOP/s, share")]),
     "parallel": ("vkdsl.train.parallel_bench:bench_parallel",
@@ -39,7 +40,7 @@ def _arguments(name, kw):
     if name == "model":
         return (kw["model_path"],)
     if name == "train":
-        return (kw["objective"], None, kw["by_kernel"])
+        return (kw["objective"], kw["model_path"], kw["by_kernel"])
     if name == "parallel":
         return (kw["steps"],)
     return ()

@@ -15,10 +15,13 @@ from .llama import Llama
 
 
 def numpy_forward(w: dict, cfg, tokens) -> np.ndarray:
-    """float32 numpy forward (the side-by-side reference: BLAS on the same cores)."""
+    """float32 numpy forward of any supported family (the side-by-side reference: BLAS on the same
+    cores); weights in vkdsl's layout (GGUF names, adjacent-pair Q/K rows)."""
     H, KV, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     T = len(tokens)
     inv = cfg.rope_base ** (-np.arange(0, D, 2) / D)
+    if cfg.rope_freq_divisors is not None:
+        inv = inv / np.asarray(cfg.rope_freq_divisors)
     ang = np.arange(T)[:, None] * inv[None]
     cos, sin = np.cos(ang).astype(np.float32)[:, None], np.sin(ang).astype(np.float32)[:, None]
 
@@ -35,9 +38,11 @@ def numpy_forward(w: dict, cfg, tokens) -> np.ndarray:
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         h = norm(x, w[p + "attn_norm.weight"])
-        q = rope((h @ w[p + "attn_q.weight"].T).reshape(T, H, D)).transpose(1, 0, 2)
-        k = rope((h @ w[p + "attn_k.weight"].T).reshape(T, KV, D)).transpose(1, 0, 2)
-        v = (h @ w[p + "attn_v.weight"].T).reshape(T, KV, D).transpose(1, 0, 2)
+        q, k, v = ((h @ w[p + m + ".weight"].T + w.get(p + m + ".bias", 0)).reshape(T, n, D)
+                   for m, n in (("attn_q", H), ("attn_k", KV), ("attn_v", KV)))
+        if cfg.qk_norm:
+            q, k = norm(q, w[p + "attn_q_norm.weight"]), norm(k, w[p + "attn_k_norm.weight"])
+        q, k, v = rope(q).transpose(1, 0, 2), rope(k).transpose(1, 0, 2), v.transpose(1, 0, 2)
         k, v = np.repeat(k, H // KV, 0), np.repeat(v, H // KV, 0)
         s = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(D)) + mask
         s = np.exp(s - s.max(-1, keepdims=True))
@@ -55,8 +60,9 @@ def bench_model(path=None, prompt_lengths=(128, 512), gen_tokens=32):
     model = Llama(ck)
     w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
     rng = np.random.default_rng(0)
-    rows = []
-    for T in prompt_lengths:
+    rows, ctx_len = [], ck.config.context_length
+    gen_tokens = min(gen_tokens, ctx_len - 16)             # a tiny model's context may be short
+    for T in sorted({min(T, ctx_len) for T in prompt_lengths}):
         ids = rng.integers(0, ck.config.vocab_size, (1, T)).astype(np.int32)
         f = vkdsl.trace(lambda x: model.forward(x))
         lg = f(ids)                                   # trace, compile, first run
@@ -70,7 +76,7 @@ def bench_model(path=None, prompt_lengths=(128, 512), gen_tokens=32):
         rows.append({"case": f"prompt_{T}", "tokens": T, "device_tok_s": T / dev, "numpy_tok_s": T / npt,
                      "ratio": npt / dev, "argmax_agreement": agree})
         f.programs.clear()
-    gen = Generator(model, 64 + gen_tokens)
+    gen = Generator(model, 16 + gen_tokens)
     ids = list(rng.integers(0, ck.config.vocab_size, 16))
     gen.generate(ids, 4)                              # compile the step program
     _, st = gen.generate(ids, gen_tokens)

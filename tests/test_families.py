@@ -193,3 +193,20 @@ def test_info_names_the_family_and_what_it_adds(tiny):
                                                                   tiny.cfg["head_dim"])
     assert row["family"].startswith({"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[tiny.cfg["arch"]])
     assert row["end_of_turn"] == {"mistral": "</s>"}.get(tiny.cfg["arch"], "<|im_end|>") and row["device_bytes"] > 0
+
+
+def test_bench_model_and_train_run_on_the_family(tiny):
+    """`vkdsl bench model / train --model M` on the tiny model (CI size): every row measured, the
+    device forward agreeing with the numpy float32 forward of the family on every argmax."""
+    import subprocess
+    import sys
+    rows = {}
+    for bench in ("model", "train"):
+        p = subprocess.run([sys.executable, "-m", "vkdsl.cli", "bench", bench, "--json", "--model", str(tiny.gguf_path)],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        rows[bench] = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    prompts = [r for r in rows["model"] if r["case"].startswith("prompt_")]
+    assert prompts and all(r["argmax_agreement"] == 1.0 and r["device_tok_s"] > 0 for r in prompts)
+    steps = [r for r in rows["train"] if r["case"].startswith("sft")]
+    assert len(steps) == 2 and all(r["tokens_per_s"] > 0 and np.isfinite(r["loss_last"]) for r in steps)

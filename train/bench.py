@@ -71,6 +71,7 @@ def _time(fn, reps=2):
 
 
 def bench_sft(model, w, B=4, T=256):
+    T = min(T, model.cfg.context_length)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
     labels = np.roll(ids, -1, axis=1)
