@@ -42,7 +42,11 @@ def test_the_command_line_says_it_in_one_line(setup):
     assert p.returncode == 1 and "needs" in p.stderr and "MiB" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_two_thousand_steps_keep_memory_flat(setup):
+# Steps of the flat-memory test: 600 in the suite; VKDSL_MEMORY_STEPS=2000 for the campaign.
+MEMORY_STEPS = int(os.environ.get("VKDSL_MEMORY_STEPS", "600"))
+
+
+def test_a_long_run_keeps_memory_flat(setup):
     ck, _ = load_model_files(setup[0].gguf_path)
     model = Llama(ck)
     cfg = tiny_cfg(setup, tmkl=0.1, lr=1e-3)
@@ -53,14 +57,16 @@ def test_two_thousand_steps_keep_memory_flat(setup):
     ids = rng.integers(3, 300, (4, 16)).astype(np.int32)
     lab = np.where(np.arange(16) >= 12, ids, -100).astype(np.int32)
     dev = default_device()
+    first, span = 100, MEMORY_STEPS - 100
     marks = {}
-    for step in range(1, 2001):
+    for step in range(1, MEMORY_STEPS + 1):
         st.step([(ids, lab)], cfg.lr)
-        if step in (200, 2000):
+        if step in (first, MEMORY_STEPS):
             marks[step] = (rss_bytes(), dev.allocated_bytes)
-    (rss0, dev0), (rss1, dev1) = marks[200], marks[2000]
-    assert dev1 == dev0, f"device bytes grew by {dev1 - dev0} over 1800 steps"
-    assert rss1 - rss0 < 32 * 2**20, f"host RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over 1800 steps"
+    (rss0, dev0), (rss1, dev1) = marks[first], marks[MEMORY_STEPS]
+    assert dev1 == dev0, f"device bytes grew by {dev1 - dev0} over {span} steps"
+    # under 18 KiB a step: 32 MiB over 1800 steps
+    assert rss1 - rss0 < 32 * 2**20 * span / 1800, f"host RSS grew by {(rss1 - rss0) / 2**20:.1f} MiB over {span} steps"
 
 
 def test_bench_train_says_which_case_does_not_fit_and_frees_each_case(setup, monkeypatch):
