@@ -1,5 +1,6 @@
-"""Mistral (a "llama" GGUF with a SentencePiece tokenizer; config.json model_type mistral), Qwen2
-(q/k/v biases) and Qwen3 (per-head q/k RMSNorm, head_dim * heads != dim) beside Llama.
+"""Llama 3 (scaled RoPE, untied embeddings, the llama-bpe pre-tokenizer), Mistral (a "llama" GGUF
+with a SentencePiece tokenizer; config.json model_type mistral), Qwen2 (q/k/v biases, tied) and
+Qwen3 (per-head q/k RMSNorm, head_dim * heads != dim, untied).
 
 Tiny random models of each family are written by the tests in both formats (the gguf package's
 writer, Qwen GGUF files in Hugging Face's Q/K row order as llama.cpp's converter leaves them;
@@ -33,14 +34,22 @@ from vkdsl_golden import hf_ref
 
 IDS = [5, 17, 200, 33, 9, 1, 2, 250, 44, 45, 46, 7, 8, 9]
 R, SCALE = 4, 2.0
-ARCHS = ("mistral", "qwen2", "qwen3")
+FAMILIES = ("llama3", "mistral", "qwen2", "qwen3")
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16}
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama3":
+        return synthetic.build_tiny(folder, seed=3, tied=False, rope_scaling=LLAMA3_SCALING, pre="llama-bpe")
     # Qwen2.5-0.5B ties its embeddings, larger Qwen models do not: one of each
-    return synthetic.build_tiny(tmp_path_factory.mktemp(request.param), seed=3, arch=request.param,
-                                tied=request.param == "qwen2")
+    return synthetic.build_tiny(folder, seed=3, arch=request.param, tied=request.param == "qwen2")
+
+
+def family(tiny) -> str:
+    return "llama3" if tiny.cfg["arch"] == "llama" else tiny.cfg["arch"]
 
 
 def close(got, ref):
@@ -65,7 +74,7 @@ def random_lora(model, seed=0):
 
 def file_order(cfg, name, w):
     """HF rows of a tensor as the family's GGUF holds them (llama.cpp permutes Llama's, Mistral's)."""
-    if cfg["arch"] != "mistral" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+    if cfg["arch"] not in ("llama", "mistral") or not name.endswith(("q_proj.weight", "k_proj.weight")):
         return w
     return hf_to_gguf_rows(w, cfg["n_heads"] if "q_proj" in name else cfg["n_kv_heads"])
 
@@ -92,10 +101,10 @@ def test_forward_matches_the_transformers_reference(tiny, fmt):
     ref = hf_ref.forward(tiny.hf_weights, tiny.cfg, IDS)
     close(lg, ref)
     # what the family adds is seen: the reference without it is far outside the tolerance
-    extra = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}.get(tiny.cfg["arch"])
+    extra = {"llama3": {"inv_freq": None}, "qwen2": {"qkv_bias": False}, "qwen3": {"qk_norm": False}}.get(family(tiny))
     if extra is None:
         return
-    plain = hf_ref.forward(tiny.hf_weights, dict(tiny.cfg, **{extra: False}), IDS)
+    plain = hf_ref.forward(tiny.hf_weights, dict(tiny.cfg, **extra), IDS)
     assert np.abs(plain - ref).max() > 30 * 1e-3 * np.abs(ref).max()
 
 
@@ -142,8 +151,10 @@ def test_gguf_adapter_applies_to_the_base_file_as_llama_cpp_does(tiny, adapted):
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(shape)
         if t.name + ".lora_a" in lora:
             w = w + s * lora[t.name + ".lora_b"] @ lora[t.name + ".lora_a"]     # (out, r) @ (r, in)
+        if t.name == "rope_freqs.weight":               # Llama 3's frequencies: tiny.cfg["inv_freq"] holds them
+            continue
         hf = gguf_name_to_hf(t.name)
-        if hf.endswith(("q_proj.weight", "k_proj.weight")) and tiny.cfg["arch"] == "mistral":   # back to HF rows
+        if hf.endswith(("q_proj.weight", "k_proj.weight")) and tiny.cfg["arch"] in ("llama", "mistral"):
             w = gguf_to_hf_rows(w, tiny.cfg["n_heads"] if "q_proj" in hf else tiny.cfg["n_kv_heads"])
         weights[hf] = w
     close(adapted["lg"], hf_ref.forward(weights, tiny.cfg, IDS))
@@ -191,7 +202,8 @@ def test_info_names_the_family_and_what_it_adds(tiny):
     assert row["arch"] == tiny.cfg["arch"] and row["format"] == "safetensors"
     assert (row["qkv_bias"], row["qk_norm"], row["head_dim"]) == (tiny.cfg["qkv_bias"], tiny.cfg["qk_norm"],
                                                                   tiny.cfg["head_dim"])
-    assert row["family"].startswith({"mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[tiny.cfg["arch"]])
+    assert row["family"].startswith({"llama3": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[
+        family(tiny)])
     assert row["end_of_turn"] == {"mistral": "</s>"}.get(tiny.cfg["arch"], "<|im_end|>") and row["device_bytes"] > 0
 
 

@@ -56,7 +56,7 @@ class Scorer:
         def score(ids, pos, labels):
             h = selected_hidden(self.model, ids, pos, on, self.prefix.start)
             return head_rows(self.model, h, lambda lg, lab: (losses.token_logprobs(lg, lab)[0],
-                                                             losses.greedy_gap(lg, lab)), labels)
+                                                             losses.greedy_gap(lg, lab)), labels, differentiable=False)
         return score
 
     def row_logprobs(self, rows: list[Example], adapters_on=True, extra=None):

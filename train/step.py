@@ -47,16 +47,18 @@ def selected_hidden(model, ids, pos, adapters_on, start=0, packing=()):
     return h.reshape(B * T, model.cfg.dim).gather(pos)
 
 
-def head_rows(model, h, fn, *row_inputs):
+def head_rows(model, h, fn, *row_inputs, differentiable=True):
     """The LM head fused with a per-row loss, in chunks of model.logit_rows rows (256, or what one
     storage binding holds of a large vocabulary): fn(logits, *row_inputs chunk) -> (objective rows,
     *report rows). Each chunk's logits live only for its own forward (vkdsl.autograd.rowwise);
     returns the concatenated rows of each output. A row input is an (S, ...) tensor, or a tuple of
-    its chunks (base logits, which one binding may not hold whole: see split_rows)."""
+    its chunks (base logits, which one binding may not hold whole: see split_rows).
+    differentiable=False (scoring): no gradient rows, even where h depends on trainable adapters."""
     outs, n = [], model.logit_rows
     for k, s in enumerate(range(0, h.shape[0], n)):
         xs = [x[k] if isinstance(x, tuple) else x[s:s + n] for x in row_inputs]
-        part = rowwise(lambda hc, *xs: fn(model.head(hc), *xs), h[s:s + n], *xs)
+        rows = lambda hc, *xs: fn(model.head(hc), *xs)          # noqa: E731
+        part = rowwise(rows, h[s:s + n], *xs) if differentiable else rows(h[s:s + n], *xs)
         outs.append(part if isinstance(part, tuple) else (part,))
     return [o[0] if len(outs) == 1 else _cat([p[i] for p in outs]) for i, o in enumerate(zip(*outs))]
 
