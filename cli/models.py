@@ -57,7 +57,6 @@ def tokenize(model_path, text):
 @click.option("--force", is_flag=True, help="apply an adapter whose manifest names another base")
 def logits(device, model_path, prompt, out, chat, adapter, force):
     """Write the logits of every prompt position (float32, [tokens, vocab]) to FILE.npy."""
-    import vkdsl
     open_device(device)
     model, tok = _load_model(model_path, adapter=adapter, force=force)
     ids = _prompt_ids(tok, prompt, chat)
@@ -66,7 +65,8 @@ def logits(device, model_path, prompt, out, chat, adapter, force):
     if len(ids) > model.cfg.context_length:
         raise click.ClickException(f"the prompt is {len(ids)} tokens; the model's context is "
                                    f"{model.cfg.context_length}")
-    lg = vkdsl.trace(lambda x: model.forward(x))(np.array([ids], np.int32))[0]
+    from vkdsl.models.llama import LogitsFn
+    lg = LogitsFn(model)(np.array([ids], np.int32))[0]       # the head in chunks a binding holds
     buf = io.BytesIO()
     np.save(buf, lg.astype(np.float32))
     atomic_write(out, buf.getvalue())

@@ -12,6 +12,8 @@ import numpy as np
 import vkdsl
 from vkdsl.ops import nn
 
+from .llama import head_in_chunks
+
 BUCKET = 64          # prompt lengths round up to this, so a few recorded programs serve all prompts
 
 
@@ -71,9 +73,7 @@ class Generator:
         h = np.asarray(self._prefill(padded))[0]           # (Tb, dim)
         if last_only:
             return self._head(h[T - 1:T])
-        n = min(self.model.logit_rows, Tb)
-        h = np.concatenate([h, np.zeros((-Tb % n, h.shape[1]), h.dtype)])   # whole chunks: few programs
-        return np.concatenate([self._head(h[s:s + n]) for s in range(0, len(h), n)])[:T]
+        return head_in_chunks(self._head, h, self.model.logit_rows)[:T]
 
     def logits_step(self, token: int, pos: int) -> np.ndarray:
         onehot = np.zeros(self.L, np.float32)

@@ -178,3 +178,33 @@ class Llama:
         if hidden_only:
             return x
         return self.head(x.reshape(B * T, c.dim)).reshape(B, T, c.vocab_size)
+
+
+def head_in_chunks(head, h: np.ndarray, n: int) -> np.ndarray:
+    """Host logits of hidden rows h (R, dim) through a traced head, n rows a call: the last chunk
+    padded to n so one program serves every call."""
+    R = h.shape[0]
+    n = min(n, R)
+    h = np.concatenate([h, np.zeros((-R % n, h.shape[1]), h.dtype)])
+    return np.concatenate([np.asarray(head(h[s:s + n])) for s in range(0, len(h), n)])[:R]
+
+
+class LogitsFn:
+    """ids (B, T) -> host logits (B, T, vocab): the forward to the final norm, then the head in
+    chunks of model.logit_rows rows -- a whole (T, vocab) block can pass one storage binding (512
+    tokens of a 152k vocabulary are 311 MB). release() frees the programs' buffers."""
+
+    def __init__(self, model: Llama, adapters_on: bool = True):
+        self.model = model
+        self.hidden = vkdsl.trace(lambda x: model.forward(x, adapters_on=adapters_on, hidden_only=True))
+        self.head = vkdsl.trace(lambda h: model.head(h))
+
+    def __call__(self, ids) -> np.ndarray:
+        ids = np.asarray(ids, np.int32)
+        B, T = ids.shape
+        h = np.asarray(self.hidden(ids)).reshape(B * T, -1)
+        return head_in_chunks(self.head, h, self.model.logit_rows).reshape(B, T, -1)
+
+    def release(self):
+        for t in (self.hidden, self.head):
+            t.programs.clear()

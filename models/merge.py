@@ -146,18 +146,17 @@ def compare_logits(base_path, adapter_path, merged_path, ids, quant: str = "keep
                    force: bool = False) -> dict:
     """Device logits of base+adapter (separate path) vs the merged model on token ids
     (list or (B, T) array): max |diff|, its size relative to max |logit|, argmax agreement."""
-    import vkdsl
     from . import load_model_files
     from .adapters import load_adapter
-    from .llama import Llama
+    from .llama import Llama, LogitsFn
     ids = np.atleast_2d(np.asarray(ids, np.int32))
     ck, tok = load_model_files(base_path)
     sep = Llama(ck, quant=quant)
     load_adapter(sep, adapter_path, tok, force=force, model_path=base_path)
-    a = vkdsl.trace(lambda x: sep.forward(x))(ids)
+    a = LogitsFn(sep)(ids)
     mck, _ = load_model_files(merged_path)
     mer = Llama(mck, quant=quant)
-    b = vkdsl.trace(lambda x: mer.forward(x, adapters_on=False))(ids)
+    b = LogitsFn(mer, adapters_on=False)(ids)
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     diff = float(np.abs(a - b).max())
     scale = float(np.abs(a).max())
