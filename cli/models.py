@@ -31,9 +31,11 @@ def _load_model(model_path, quant="keep", adapter=None, force=False):
 
 
 def _prompt_ids(tok, prompt, chat):
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True) \
-        if chat else prompt
-    return tok.encode(text)
+    if not chat:
+        return tok.encode(prompt)
+    # the template writes its own BOS where it wants one (Llama 3's, Mistral's): add none again
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True),
+                      add_special=False)
 
 
 @click.command()

@@ -222,3 +222,13 @@ def test_bench_model_and_train_run_on_the_family(tiny):
     assert prompts and all(r["argmax_agreement"] == 1.0 and r["device_tok_s"] > 0 for r in prompts)
     steps = [r for r in rows["train"] if r["case"].startswith("sft")]
     assert len(steps) == 2 and all(r["tokens_per_s"] > 0 and np.isfinite(r["loss_last"]) for r in steps)
+
+
+def test_a_chat_prompt_carries_one_bos(tiny):
+    """Mistral's template writes BOS and its GGUF asks for one: `vkdsl generate --chat` adds none again."""
+    from vkdsl.cli.models import _prompt_ids
+    _, tok = load_model_files(tiny.gguf_path)
+    ids = _prompt_ids(tok, "Is it down?", chat=True)
+    assert tok.decode(ids).endswith(("[/INST]", "<|im_start|>assistant\n"))
+    if family(tiny) == "mistral":
+        assert ids[0] == tok.bos_id and ids.count(tok.bos_id) == 1
