@@ -229,6 +229,21 @@ def pretokenize(text: str, split_digits: bool, style: str = "gpt2") -> list[str]
     return pieces
 
 
+def _around_specials(text: str, specials: list[str], plain, special) -> None:
+    """plain(segment) for the text between special tokens, special(token) for each of them, in
+    order; specials are matched verbatim, leftmost first, the longest where several start."""
+    start = i = 0
+    while i < len(text):
+        hit = max((t for t in specials if text.startswith(t, i)), key=len, default=None)
+        if hit is None:
+            i += 1
+            continue
+        plain(text[start:i])
+        special(hit)
+        start = i = i + len(hit)
+    plain(text[start:])
+
+
 def bpe_encode(text: str, tokens: list[str], merges: list[str], specials: list[str],
                split_digits: bool = True, style: str = "gpt2") -> list[int]:
     """Token ids of text: special tokens matched verbatim (leftmost-longest), the rest
@@ -252,16 +267,7 @@ def bpe_encode(text: str, tokens: list[str], merges: list[str], specials: list[s
                 word[k:k + 2] = [word[k] + word[k + 1]]
             ids.extend(vocab[sym] for sym in word)
 
-    start = i = 0
-    while i < len(text):
-        hit = max((s for s in specials if text.startswith(s, i)), key=len, default=None)
-        if hit is None:
-            i += 1
-            continue
-        plain(text[start:i])
-        ids.append(vocab[hit])
-        start = i = i + len(hit)
-    plain(text[start:])
+    _around_specials(text, specials, plain, lambda t: ids.append(vocab[t]))
     return ids
 
 
@@ -292,16 +298,7 @@ def spm_encode(text: str, tokens: list[str], scores: list[float], types: list[in
         for piece in sym:
             ids.extend([normal[piece]] if piece in normal else [byte_id[b] for b in piece.encode("utf-8")])
 
-    start = i = 0
-    while i < len(text):
-        hit = max((t for t in specials if text.startswith(t, i)), key=len, default=None)
-        if hit is None:
-            i += 1
-            continue
-        plain(text[start:i])
-        ids.append(tokens.index(hit))
-        start = i = i + len(hit)
-    plain(text[start:])
+    _around_specials(text, specials, plain, lambda t: ids.append(tokens.index(t)))
     return ids
 
 

@@ -21,16 +21,15 @@ import safetensors.numpy as stn
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-import vkdsl
+from fixtures import lora as fixtures_lora
 from fixtures import synthetic
 from vkdsl.models import ModelFileError, hf_to_gguf_rows, load_model_files
-from vkdsl.models.adapters import (LINEARS, load_adapter, module_shape, save_adapter_bundle,
+from vkdsl.models.adapters import (LINEARS, load_adapter, save_adapter_bundle,
                                    save_gguf_adapter, save_peft)
 from vkdsl.models.llama import Llama
 from vkdsl.models.manifest import (ManifestMismatch, build_manifest, read_manifest,
                                    tokenizer_sha256, write_manifest)
 from vkdsl.models.merge import compare_logits, merge
-from vkdsl.ops.lora import LoRA
 
 IDS = [5, 17, 200, 33, 9, 1, 2, 250, 44, 45, 46]
 R, ALPHA, RSLORA = 4, 8.0, True                 # s = 8 / sqrt(4) = 4
@@ -54,20 +53,11 @@ def other(tmp_path_factory):
 
 
 def random_lora(model, seed=0):
-    """Non-zero random A and B on every linear of every layer (B = 0 would hide bugs)."""
-    rng = np.random.default_rng(seed)
-    model.lora = {}
-    for i in range(model.cfg.n_layers):
-        for m in LINEARS:
-            d_in, d_out = module_shape(model.cfg, m)
-            A = (rng.standard_normal((d_in, R)) / np.sqrt(d_in)).astype(np.float32)
-            B = (0.15 * rng.standard_normal((R, d_out))).astype(np.float32)
-            model.lora[f"blk.{i}.{m}"] = LoRA(vkdsl.tensor(A), vkdsl.tensor(B), SCALE)
+    fixtures_lora.random_lora(model, R, SCALE, seed)
 
 
 def logits(model, ids=IDS, adapters_on=True):
-    return np.asarray(vkdsl.trace(lambda x: model.forward(x, adapters_on=adapters_on))(
-        np.asarray([ids], np.int32))[0], np.float64)
+    return fixtures_lora.logits(model, ids, adapters_on)
 
 
 @pytest.fixture(scope="module")

@@ -21,15 +21,14 @@ import safetensors.numpy as stn
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-import vkdsl
+from fixtures import lora as fixtures_lora
 from fixtures import synthetic
 from fixtures.train_data import tiny_cfg, write_jsonl, TRAIN, HELD
 from vkdsl.models import load_checkpoint, load_model_files
-from vkdsl.models.adapters import LINEARS, load_adapter, module_shape, save_gguf_adapter, save_peft
+from vkdsl.models.adapters import load_adapter, save_gguf_adapter, save_peft
 from vkdsl.models.llama import Llama
 from vkdsl.models.merge import compare_logits, merge
 from vkdsl.models.safetensors_loader import gguf_name_to_hf, gguf_to_hf_rows, hf_to_gguf_rows
-from vkdsl.ops.lora import LoRA
 from vkdsl_golden import hf_ref
 
 IDS = [5, 17, 200, 33, 9, 1, 2, 250, 44, 45, 46, 7, 8, 9]
@@ -57,19 +56,7 @@ def close(got, ref):
 
 
 def logits(model, ids=IDS, adapters_on=True):
-    return np.asarray(vkdsl.trace(lambda x: model.forward(x, adapters_on=adapters_on))(
-        np.asarray([ids], np.int32))[0], np.float64)
-
-
-def random_lora(model, seed=0):
-    rng = np.random.default_rng(seed)
-    model.lora = {}
-    for i in range(model.cfg.n_layers):
-        for m in LINEARS:
-            d_in, d_out = module_shape(model.cfg, m)
-            A = (rng.standard_normal((d_in, R)) / np.sqrt(d_in)).astype(np.float32)
-            B = (0.15 * rng.standard_normal((R, d_out))).astype(np.float32)
-            model.lora[f"blk.{i}.{m}"] = LoRA(vkdsl.tensor(A), vkdsl.tensor(B), SCALE)
+    return fixtures_lora.logits(model, ids, adapters_on)
 
 
 def file_order(cfg, name, w):
@@ -121,7 +108,7 @@ def test_kv_cache_steps_match_the_reference(tiny):
 def adapted(tiny, tmp_path_factory):
     ck, tok = load_model_files(tiny.gguf_path)
     model = Llama(ck)
-    random_lora(model)
+    fixtures_lora.random_lora(model, R, SCALE)
     out = tmp_path_factory.mktemp("adapters")
     save_peft(model, out / "peft", r=R, alpha=SCALE * R)
     save_gguf_adapter(model, out / "adapter.gguf", r=R, alpha=SCALE * R)
