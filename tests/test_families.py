@@ -180,12 +180,11 @@ def test_a_short_lora_run_learns_with_the_familys_module_names(tiny, tmp_path):
 
 
 def test_info_names_the_family_and_what_it_adds(tiny):
-    import subprocess
-    import sys
-    p = subprocess.run([sys.executable, "-m", "vkdsl.cli", "info", "--json", "--model", str(tiny.hf_dir)],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr
-    row = json.loads(p.stdout.strip().splitlines()[-1])
+    from click.testing import CliRunner
+    from vkdsl.cli import main
+    res = CliRunner().invoke(main, ["info", "--json", "--model", str(tiny.hf_dir)])
+    assert res.exit_code == 0, res.output[-2000:]
+    row = json.loads(res.output.strip().splitlines()[-1])
     assert row["arch"] == tiny.cfg["arch"] and row["format"] == "safetensors"
     assert (row["qkv_bias"], row["qk_norm"], row["head_dim"]) == (tiny.cfg["qkv_bias"], tiny.cfg["qk_norm"],
                                                                   tiny.cfg["head_dim"])
@@ -195,16 +194,15 @@ def test_info_names_the_family_and_what_it_adds(tiny):
 
 
 def test_bench_model_and_train_run_on_the_family(tiny):
-    """`vkdsl bench model / train --model M` on the tiny model (CI size): every row measured, the
-    device forward agreeing with the numpy float32 forward of the family on every argmax."""
-    import subprocess
-    import sys
+    """`vkdsl bench model / train --model M` on the tiny model (CI size; in this process): every row
+    measured, the device forward agreeing with the numpy float32 forward of the family on every argmax."""
+    from click.testing import CliRunner
+    from vkdsl.cli import main
     rows = {}
     for bench in ("model", "train"):
-        p = subprocess.run([sys.executable, "-m", "vkdsl.cli", "bench", bench, "--json", "--model", str(tiny.gguf_path)],
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
-        rows[bench] = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+        res = CliRunner().invoke(main, ["bench", bench, "--json", "--model", str(tiny.gguf_path)])
+        assert res.exit_code == 0, res.output[-2000:]
+        rows[bench] = [json.loads(x) for x in res.output.splitlines() if x.startswith("{")]
     prompts = [r for r in rows["model"] if r["case"].startswith("prompt_")]
     assert prompts and all(r["argmax_agreement"] == 1.0 and r["device_tok_s"] > 0 for r in prompts)
     steps = [r for r in rows["train"] if r["case"].startswith("sft")]
