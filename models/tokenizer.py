@@ -278,9 +278,11 @@ def load_tokenizer(path: str | os.PathLike, expected_vocab: int | None = None, r
 
 
 def _check_vocab(n_tokens: int, expected: int | None, path: Path) -> None:
-    if expected is not None and n_tokens != int(expected):
+    """A tokenizer may have fewer tokens than the model has embedding rows (Qwen's tokenizer.json
+    holds 151,665 for 151,936 rows: the table is padded), never more: its ids would index nothing."""
+    if expected is not None and n_tokens > int(expected):
         raise ModelFileError(f"{path}: tokenizer has {n_tokens} tokens but the model's "
-                             f"vocabulary is {int(expected)}")
+                             f"vocabulary is {int(expected)} (ids from {int(expected)} on index no embedding row)")
 
 
 def _set_post_processor(engine: _HFTokenizer, tokens: list[str], *, bos: int | None,

@@ -85,3 +85,15 @@ def test_sentencepiece_gguf_matches_the_slow_reference(tmp_path, tiny):
         assert tok.decode(want) == text.replace("<s>", "<s> "), text
         pieces += sum(spm.token_types[i] == 1 and len(spm.tokens[i]) > 2 for i in want)
     assert pieces > 10                        # merged pieces were used, not only bytes and characters
+
+
+def test_a_tokenizer_smaller_than_the_padded_embedding_loads_a_larger_one_does_not(tmp_path, tiny):
+    """Qwen2.5's and Qwen3's tokenizer.json hold 151,665 / 151,669 tokens for 151,936 embedding rows."""
+    assert Tokenizer.from_hf(tiny.hf_dir, expected_vocab=320).vocab_size == 300
+    with pytest.raises(ModelFileError, match=r"tokenizer has 300 tokens but the model's vocabulary is 280 "
+                                             r"\(ids from 280 on index no embedding row\)"):
+        Tokenizer.from_hf(tiny.hf_dir, expected_vocab=280)
+    w = load_gguf(tiny.gguf_path).dequantized()
+    path = write_gguf(tmp_path / "short.gguf", w, dict(tiny.cfg, vocab_size=280), tiny.vocab, types={})
+    with pytest.raises(ModelFileError, match=r"short\.gguf: tokenizer has 300 tokens"):
+        Tokenizer.from_gguf(path)

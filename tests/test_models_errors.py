@@ -8,7 +8,7 @@ import pytest
 
 from vkdsl.models import (LlamaConfig, ModelFileError, Tokenizer, load_checkpoint, load_gguf,
                           load_hf, load_model_files)
-from fixtures.synthetic import (TINY_CONFIG, TinyVocab, build_tiny, random_hf_weights,
+from fixtures.synthetic import (TINY_CONFIG, build_tiny, random_hf_weights,
                                     tiny_bpe, write_gguf)
 from vkdsl.models.safetensors_loader import hf_name_to_gguf
 
@@ -108,10 +108,9 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_gguf_vocab_mismatch(tmp_path, parts):
-    w, cfg, vocab = parts
-    short = TinyVocab(vocab.tokens[:-1], vocab.merges, vocab.token_types[:-1])
-    path = write_gguf(tmp_path / "vocab.gguf", w, cfg, short, types={})
-    with pytest.raises(ModelFileError, match=r"vocab\.gguf.*299 tokens.*vocabulary is 300"):
+    w, cfg, vocab = parts             # more tokens than embedding rows (fewer is a padded table: fine)
+    path = write_gguf(tmp_path / "vocab.gguf", w, dict(cfg, vocab_size=299), vocab, types={})
+    with pytest.raises(ModelFileError, match=r"vocab\.gguf.*300 tokens.*vocabulary is 299"):
         Tokenizer.from_gguf(path)
 
 
@@ -136,8 +135,8 @@ def _edit_json(path, **changes):
 
 def test_hf_vocab_mismatch(tmp_path, tiny):
     folder = _hf_copy(tiny, tmp_path)
-    _edit_json(folder / "config.json", vocab_size=320)
-    with pytest.raises(ModelFileError, match=r"tokenizer\.json.*300 tokens.*vocabulary is 320"):
+    _edit_json(folder / "config.json", vocab_size=290)
+    with pytest.raises(ModelFileError, match=r"tokenizer\.json.*300 tokens.*vocabulary is 290"):
         Tokenizer.from_hf(folder)
 
 
