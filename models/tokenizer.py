@@ -146,8 +146,11 @@ class Tokenizer:
             return self.eos_id
         if self._turn_end[0] != self.chat_template:
             mark = "\ue000vkdsl-reply\ue001"
-            text = self.apply_chat_template([{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": mark}], add_generation_prompt=False)
+            try:
+                text = self.apply_chat_template([{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": mark}], add_generation_prompt=False)
+            except Exception:        # a template that wants other turns than this probe's: EOS, as without one
+                text = ""
             after = text[text.find(mark) + len(mark):] if mark in text else ""
             specials = {self._engine.token_to_id(t.content) for t in self._engine.get_added_tokens_decoder().values()
                         if t.special}

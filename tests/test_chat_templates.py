@@ -91,3 +91,13 @@ def test_the_default_system_prompt_of_qwen25_is_prompt(tmp_path):
     ex = encode_row({"prompt": "Is it down?", "completion": "high"}, tok, True, 512, "left", "row 1")
     assert "You are Qwen, created by Alibaba Cloud" in tok.decode(ex.ids)
     assert supervised(ex) == tok.encode("high", add_special=False) + [tok.token_to_id("<|im_end|>")]
+
+
+def test_a_template_that_refuses_the_probe_ends_turns_at_eos(tmp_path):
+    tok = tokenizer(tmp_path, "qwen2.5")
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}"
+                         "{% endif %}{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
+    assert tok.end_of_turn_id == tok.eos_id == tok.token_to_id("<|im_end|>")
+    tok.eos_id = tok.token_to_id("<|endoftext|>")          # the probe fails: EOS, whatever it is
+    tok.chat_template += " "
+    assert tok.end_of_turn_id == tok.eos_id
