@@ -7,10 +7,7 @@ References: golden/llama_ref.py's float64 forward (the adapter merged into the w
 cross-entropy and target-masked KL in float64 numpy written here. Tolerance 1e-3 relative (fp32 over a
 150k-way softmax); the two TMKL paths agree to 1e-5. Runs in a process of its own (the profile is
 read when the device opens)."""
-import json
-import os
-import subprocess
-import sys
+from fixtures.child import run_under_profile
 
 CHILD = r'''
 import gc
@@ -111,10 +108,7 @@ print(json.dumps(out))
 
 
 def test_a_150k_vocabulary_runs_under_minimal():
-    env = dict(os.environ, VKDSL_PROFILE="minimal")
-    p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    r = run_under_profile(CHILD, "minimal", timeout=900)
     assert 1 <= r["logit_rows"] < 256, r                # 48 MiB / (4 B x 150k) = 83 rows
     assert r["prefill_rel"] <= 1e-3 and r["last_rel"] <= 1e-3 and r["logits_rel"] <= 1e-3, r
     assert r["ce_rel"] <= 1e-3 and r["kl_rel"] <= 1e-3, r

@@ -4,10 +4,7 @@ matmul against float64 numpy, its row gather exactly, ids at the block boundary 
 table (NaN rows, never zeros) — and a Q8_0 table split the same way gathers and multiplies as the
 gguf package's own dequantization says. Each runs in a process of its own (the profile is read
 when the device opens)."""
-import json
-import os
-import subprocess
-import sys
+from fixtures.child import run_under_profile
 
 CHILD = r'''
 import json, sys
@@ -58,10 +55,7 @@ print(json.dumps(out))
 
 
 def test_a_table_over_one_binding_works_split_under_minimal():
-    env = dict(os.environ, VKDSL_PROFILE="minimal")
-    p = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = json.loads(p.stdout.strip().splitlines()[-1])
+    r = run_under_profile(CHILD, "minimal", timeout=600)
     assert r["range"] == 128 << 20
     assert "exceeds the device's maxStorageBufferRange" in r["whole"], r["whole"]     # one buffer: refused
     assert r["parts"] == 2

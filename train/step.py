@@ -16,6 +16,7 @@ import numpy as np
 
 import vkdsl
 from vkdsl.autograd import grad, rowwise
+from vkdsl.models.llama import head_in_chunks
 from vkdsl.ops import losses
 
 from .distributed import my_share, sum_over_ranks
@@ -121,8 +122,7 @@ class BaseLogitCache:
 
     def fn(self, ids, pos) -> np.ndarray:
         """(S, V) base logits at the flat positions pos, the head in chunks one binding holds."""
-        h = np.asarray(self.hidden(ids, pos))
-        return np.concatenate([np.asarray(self.head(c)) for c in split_rows(h, self.model.logit_rows)])
+        return head_in_chunks(self.head, np.asarray(self.hidden(ids, pos)), self.model.logit_rows)
 
     @staticmethod
     def key(ids_row: np.ndarray, lab_row: np.ndarray) -> bytes:
