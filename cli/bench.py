@@ -10,9 +10,11 @@ from .common import Commands, device_option, echo_rows, json_option, open_device
 
 # name -> (module:function, help, extra options)
 BENCHES = {
-    "matmul": ("vkdsl.bench:bench_matmul", "fp32 matmul GFLOP/s on the device and in numpy, and their ratio.",
+    "matmul": ("vkdsl.bench:bench_matmul", "Matmul GFLOP/s on the device and numpy fp32's, and their ratio.",
                [click.Option(["--sizes"], default="256,512,1024,2048", show_default=True,
-                             help="comma-separated n for n x n x n")]),
+                             help="comma-separated n for n x n x n"),
+                click.Option(["--precision"], type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+                             help="fp16: inputs rounded to fp16, fp32 sums (vkdsl.precision)")]),
     "replay": ("vkdsl.bench:bench_replay",
                "A traced 1000-dispatch program replayed vs the same dispatches recorded by hand.", []),
     "model": ("vkdsl.models.bench:bench_model",
@@ -36,7 +38,7 @@ BENCHES = {
 
 def _arguments(name, kw):
     if name == "matmul":
-        return (tuple(int(s) for s in kw["sizes"].split(",")),)
+        return (tuple(int(s) for s in kw["sizes"].split(",")), kw["precision"])
     if name == "model":
         return (kw["model_path"],)
     if name == "train":

@@ -22,7 +22,8 @@ def devices(as_json):
                "max_workgroup_invocations": L.max_workgroup_invocations, "max_shared_memory": L.max_shared_memory,
                "max_push_constants": L.max_push_constants, "subgroup_size": L.subgroup_size,
                "shader_float16": L.float16, "storage_buffer_16bit": L.storage16, "int8": L.int8, "int64": L.int64,
-               "subgroup_arithmetic": L.subgroup_arithmetic, "cooperative_matrix": L.cooperative_matrix}
+               "subgroup_arithmetic": L.subgroup_arithmetic, "cooperative_matrix": L.cooperative_matrix,
+               "coopmat_fp16_shapes": [list(x) for x in L.coopmat_shapes]}
         if as_json:
             click.echo(json.dumps(row))
             continue
@@ -35,7 +36,9 @@ def devices(as_json):
                    f"{L.max_shared_memory // 1024} KiB, subgroup {L.subgroup_size}, push constants "
                    f"{L.max_push_constants} B\n      float16 arithmetic {L.float16}, 16-bit storage {L.storage16}, "
                    f"int8 {L.int8}, int64 {L.int64}, subgroup arithmetic {L.subgroup_arithmetic}, "
-                   f"cooperative matrix {L.cooperative_matrix}")
+                   f"cooperative matrix {L.cooperative_matrix}"
+                   + (f" (fp16 x fp16 + fp32: {', '.join('x'.join(map(str, x)) for x in L.coopmat_shapes)})"
+                      if L.coopmat_shapes else ""))
     if not as_json:
         from vkdsl.runtime.profiles import PROFILES
         click.echo("(* = used by default)\ncapability profiles (--profile NAME or VKDSL_PROFILE=NAME: run as if the "

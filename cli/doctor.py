@@ -27,8 +27,9 @@ def _facts(dev) -> list[tuple]:
 def _choices(dev) -> list[tuple]:
     """The kernel each op family picks on this device, and the reason."""
     from vkdsl.handwritten import default_variant, gpu_config, has_int64
-    from vkdsl.matmul import plan_matmul
+    from vkdsl.matmul import fp16_choice, plan_matmul
     from vkdsl.ops.quant.kernels import plan_qmatmul
+    from vkdsl.precision import PrecisionError
     variant = default_variant(dev)
     if dev.info.variant:
         why = f"profile {dev.info.profile} asks for the {variant} kernels"
@@ -47,6 +48,12 @@ def _choices(dev) -> list[tuple]:
         detail = ("8-float loads (int64 present)" if has_int64(dev) else
                   "4-float loads (no int64)") + ", 16x32 per invocation"
     rows.append(("kernels", "matmul 512^3", mm.name, detail))
+    try:
+        v, why = fp16_choice(dev)
+        rows.append(("kernels", "matmul, precision fp16",
+                     plan_matmul(dev, M=512, N=512, K=512, precision="fp16").name, why))
+    except PrecisionError as e:
+        rows.append(("kernels", "matmul, precision fp16", "none", str(e).split(";")[-1].strip()))
     q = plan_qmatmul(dev, "q8_0", M=64, N=576, K=576)
     rows.append(("kernels", "Q8_0 matmul 64x576x576", q.name, "dequantized inside the matmul"))
     qv = plan_qmatmul(dev, "q8_0", M=1, N=576, K=576)
@@ -61,7 +68,9 @@ def _verify_rows() -> list[tuple]:
     t0 = time.perf_counter()
     rows, _ = run_verify(repeat_warm=False)
     bad = [r for r in rows if not r.passed]
-    return [("verify", "golden rows", f"{len(rows) - len(bad)}/{len(rows)} pass",
+    ran = [r for r in rows if r.applicable]
+    na = len(rows) - len(ran)
+    return [("verify", "golden rows", f"{len(ran) - len(bad)}/{len(ran)} pass" + (f", {na} n/a" if na else ""),
              f"{time.perf_counter() - t0:.1f} s" + (": FAIL " + ", ".join(f"{r.op} {r.name}" for r in bad[:5])
                                                      if bad else ""))]
 

@@ -40,12 +40,13 @@ def _option(name: str) -> click.Option:
                         metavar=kind.upper().replace("-", "_") if kind else None, help=help_)
 
 
-def _verify(rep):
+def _verify(rep, precision):
     from vkdsl.verify import verify
     from .verify import load_op_rows
     load_op_rows()
     t0 = time.perf_counter()
-    cases = [c for m in VERIFY_MATCH for c in golden_cases(m)]
+    cases = [c for m in VERIFY_MATCH for c in golden_cases(m)
+             if precision == "fp16" or c[0]["op"] != "matmul_f16in"]     # the fp16 rows only when used
     rows = verify(cases, repeat_warm=False)[0]
     bad = [r for r in rows if not r.passed]
     rep.say(f"verify: {len(rows) - len(bad)}/{len(rows)} kernel checks pass on this device "
@@ -98,24 +99,29 @@ def _run(config_path, resume, over, mode="auto") -> int:
     from vkdsl.train import distributed
     from vkdsl.train.progress import Reporter
     from vkdsl.train.stages import dpo_stage, export
+    from vkdsl.precision import matmul_precision
     from vkdsl.train.trainer import run
     cfg, out = settings(config_path, resume, over)
     g = distributed.group(mode)
     devices = None
     if g.size > 1:
         out, devices = _ranks(g, cfg, out)
-    open_device(None)                       # a device that is not there fails before the model loads
+    dev = open_device(None)                 # a device that is not there fails before the model loads
+    if cfg.precision == "fp16":             # and so does one with no fp16 matmul
+        from vkdsl.matmul import fp16_choice
+        Reporter(None, cfg.quiet, cfg.jsonl).say("precision fp16: matmul variant %s, %s" % fp16_choice(dev))
     if cfg.verify:
-        _verify(Reporter(None, cfg.quiet, cfg.jsonl))
+        _verify(Reporter(None, cfg.quiet, cfg.jsonl), cfg.precision)
     t0 = time.perf_counter()
-    r = run(cfg, out, resume=resume, group=g)
-    r.devices = devices
-    dpo_ev = dpo_stage(r) if "dpo" in cfg.objective else None
-    if g.root:
-        export(r, dpo_ev)
-    else:
-        import shutil
-        shutil.rmtree(out, ignore_errors=True)
+    with matmul_precision(cfg.precision):
+        r = run(cfg, out, resume=resume, group=g)
+        r.devices = devices
+        dpo_ev = dpo_stage(r) if "dpo" in cfg.objective else None
+        if g.root:
+            export(r, dpo_ev)
+        else:
+            import shutil
+            shutil.rmtree(out, ignore_errors=True)
     from vkdsl.trace import BUILT
     r.r.say(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training {r.train_seconds:.0f}s; "
             f"{BUILT['programs']} device programs built in {BUILT['seconds']:.0f}s)")

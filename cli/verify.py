@@ -34,19 +34,28 @@ def verify(device, as_json, match, root):
     open_device(device, announce=not as_json)
     rows, times = run_verify(match, root)
     failed = [r for r in rows if not r.passed]
+    skipped = [r for r in rows if not r.applicable]
     if as_json:
         for r in rows:
             click.echo(json.dumps(r.as_dict()))
-        click.echo(json.dumps({"summary": True, "rows": len(rows), "failed": len(failed), **times}))
+        click.echo(json.dumps({"summary": True, "rows": len(rows), "failed": len(failed),
+                               "not_applicable": len(skipped), **times}))
     else:
         w = max([len(r.name) for r in rows] + [4])
         click.echo(f"{'case':<{w}}  {'shape':>14}  {'nmse':>9}  {'limit':>9}  result")
         for r in rows:
-            click.echo(f"{r.name:<{w}}  {r.shape:>14}  {r.error:9.2e}  {r.limit:9.1e}  "
-                       f"{'pass' if r.passed else 'FAIL ' + r.note}")
-        click.echo(f"{len(rows) - len(failed)}/{len(rows)} rows passed; cold {times['cold_s']:.2f} s "
-                   f"(compiles and builds pipelines), warm {times['warm_s']:.2f} s")
+            result = "pass" if r.passed else "FAIL " + r.note
+            click.echo(f"{r.name:<{w}}  {r.shape:>14}  {r.error:9.2e}  {r.limit:9.1e}  {result}" if r.applicable else
+                       f"{r.name:<{w}}  {'':>14}  {'':>9}  {r.limit:9.1e}  n/a: {r.note}")
+        ran = len(rows) - len(skipped)
+        click.echo(f"{ran - len(failed)}/{ran} rows passed"
+                   + (f", {len(skipped)} not applicable on this device ({_why(skipped)})" if skipped else "")
+                   + f"; cold {times['cold_s']:.2f} s (compiles and builds pipelines), warm {times['warm_s']:.2f} s")
     sys.exit(1 if failed or not rows else 0)
+
+
+def _why(rows) -> str:
+    return "; ".join(f"{op}: {note}" for op, note in dict.fromkeys((r.op, r.note) for r in rows))
 
 
 @click.command("compile")

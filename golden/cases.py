@@ -173,6 +173,16 @@ def matmul_cases():
         out.append(Case(f"matmul[nn,batch={bsz},{m}x{k}x{n}]", "matmul",
                         {"ta": False, "tb": False, "batch": True},
                         lambda r, b=bsz, m=m, k=k, n=n: _mm_inputs(r, m, k, n, False, False, (b,))))
+    # precision fp16: ragged tiles, a long reduction (fp16 sums would show), a batch, and values near
+    # the top of fp16's range (65504) whose products only fp32 holds
+    for form, ta, tb in [("nn", False, False), ("nt", False, True), ("tn", True, False)]:
+        for m, k, n in [(3, 7, 33), (129, 257, 95), (33, 1023, 7)]:
+            out.append(Case(f"matmul_f16in[{form},{m}x{k}x{n}]", "matmul_f16in", {"ta": ta, "tb": tb},
+                            lambda r, m=m, k=k, n=n, ta=ta, tb=tb: _mm_inputs(r, m, k, n, ta, tb)))
+    out.append(Case("matmul_f16in[nn,batch=3,33x7x5]", "matmul_f16in", {"ta": False, "tb": False, "batch": True},
+                    lambda r: _mm_inputs(r, 33, 7, 5, False, False, (3,))))
+    out.append(Case("matmul_f16in[nn,17x64x9,mag=3e4]", "matmul_f16in", {"ta": False, "tb": False},
+                    lambda r: [x * np.float32(3e4) for x in _mm_inputs(r, 17, 64, 9, False, False)]))
     return out
 
 

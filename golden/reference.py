@@ -21,7 +21,7 @@ __all__ = [
     "neg", "exp", "log", "sqrt", "rsqrt", "tanh",
     "add", "sub", "mul", "div", "maximum", "cmplt", "where",
     "reduce_sum", "reduce_max", "reduce_mean",
-    "matmul", "permute", "gather", "fused_chain", "softmax", "log_softmax",
+    "matmul", "matmul_f16in", "permute", "gather", "fused_chain", "softmax", "log_softmax",
     "exact_sum", "UNARY", "BINARY", "REDUCE",
 ]
 
@@ -175,6 +175,13 @@ def matmul(a, b, ta: bool = False, tb: bool = False, batch: bool = False) -> np.
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"inner dims differ: {a.shape} @ {b.shape}")
     return _mm2(a, b)
+
+
+def matmul_f16in(a, b, ta: bool = False, tb: bool = False, batch: bool = False) -> np.ndarray:
+    """matmul of the inputs rounded to fp16 (round to nearest even), summed exactly: the result an
+    fp16-input, fp32-accumulation kernel approaches."""
+    return matmul(np.asarray(a, np.float32).astype(np.float16), np.asarray(b, np.float32).astype(np.float16),
+                  ta, tb, batch)
 
 
 def permute(x, axes) -> np.ndarray:

@@ -60,6 +60,11 @@ def test_every_verify_row_passes_under_the_profile(name):
     summary = rows.pop()
     assert summary["failed"] == 0 and summary["rows"] == len(rows) > 200
     assert all(r["passed"] for r in rows)
+    # only the fp16-precision rows may be left out, and only where the profile has no fp16
+    skipped = [r for r in rows if not r["applicable"]]
+    fp16 = [r for r in rows if r["op"] == "matmul_f16in"]
+    assert len(fp16) == 11
+    assert skipped == (fp16 if name == "minimal" else []) and summary["not_applicable"] == len(skipped)
 
 
 def _doctor(*args):
@@ -67,11 +72,14 @@ def _doctor(*args):
     return report, {r["item"]: r for r in report["rows"]}
 
 
-@pytest.mark.parametrize("name,family,matmul", [("minimal", "lvp", "matmul_nn_lvp_v4s4"),
-                                                ("nvidia", "gpu", "matmul_nn_gpu128")])
-def test_doctor_shows_the_kernels_the_profile_picks(name, family, matmul):
+@pytest.mark.parametrize("name,family,matmul,fp16", [("minimal", "lvp", "matmul_nn_lvp_v4s4", "none"),
+                                                     ("nvidia", "gpu", "matmul_nn_gpu128", "matmul_nn_gpu16_128")])
+def test_doctor_shows_the_kernels_the_profile_picks(name, family, matmul, fp16):
     report, rows = _doctor("--profile", name, "--no-bench")
     assert rows["family"]["value"] == family and rows["matmul 512^3"]["value"] == matmul
+    # lavapipe has no cooperative matrices, so even the nvidia profile runs the fp16 tiles
+    assert rows["matmul, precision fp16"]["value"] == fp16
+    assert ("no VK_KHR_cooperative_matrix" if fp16 != "none" else "has neither") in rows["matmul, precision fp16"]["why"]
     assert f"as profile {name}" in rows["limits"]["why"]
     assert not report["verify_failed"] and rows["golden rows"]["value"].split("/")[0] == \
         rows["golden rows"]["value"].split("/")[1].split()[0]

@@ -124,3 +124,18 @@ def remove_stale_temps(run_dir) -> list[Path]:
     for p in stale:
         p.unlink()
     return stale
+
+
+def mark_resume(metrics: Path, step: int):
+    """Drop the records of steps after the checkpoint (they run again) and mark the resume."""
+    keep = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue                       # a line cut by the kill
+            if rec.get("step", 0) <= step:
+                keep.append(line)
+    keep.append(json.dumps({"event": "resume", "step": step}))
+    atomic_write(metrics, ("\n".join(keep) + "\n").encode())

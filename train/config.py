@@ -22,6 +22,7 @@ class TrainConfig:
     # model and data
     model: str = ""                                  # "" = the default SmolLM2 GGUF
     quant: str = "keep"                              # the frozen base on the device: keep, none, int4, nf4
+    precision: str = "fp32"                          # fp32 matmuls, or fp16 inputs with fp32 sums (vkdsl.precision)
     train_file: str = str(DATA / "routing_train.jsonl")
     heldout_file: str = str(DATA / "routing_heldout.jsonl")
     preservation_file: str = str(DATA / "preservation.jsonl")
@@ -96,6 +97,7 @@ class TrainConfig:
     def validate(self):
         checks = [
             (self.quant in ("keep", "none", "int4", "nf4"), "quant must be keep, none, int4 or nf4"),
+            (self.precision in ("fp32", "fp16"), "precision must be fp32 or fp16"),
             (self.max_len >= 8, "max_len must be >= 8"),
             (self.truncation_side in ("left", "right"), "truncation_side must be 'left' or 'right'"),
             (self.loss_on in ("completion", "all"), "loss_on must be completion or all"),
@@ -160,6 +162,8 @@ HELP = {
     "model": "GGUF file or Hugging Face folder ('' = the installed SmolLM2-135M-Instruct)",
     "quant": "how the frozen base is stored on the device: keep (the file's own blocks, e.g. Q4_1), none "
              "(fp32), int4 or nf4 (packed on load, group 64)",
+    "precision": "fp32 matmuls, or fp16: the fp32-weight matmuls (adapters, fp32 bases) take fp16 inputs with "
+                 "fp32 sums, on cooperative matrices where the device has them (quantized weights stay as they are)",
     "train_file": "SFT rows, JSONL: prompt/completion (optionally system) or messages",
     "heldout_file": "held-out rows (same format) for accuracy and loss evidence",
     "preservation_file": "JSONL rows of plain text whose loss must not rise (preservation)",

@@ -14,6 +14,7 @@ import numpy as np
 from vkdsl.models import load_model_files
 from vkdsl.models.llama import Llama
 from vkdsl.ops.losses import check_labels
+from vkdsl.precision import current as matmul_precision_now
 
 from . import checkpoint, evidence
 from .data import IGNORE, DataError, Sampler, check_batches, collate, load_examples, load_passages
@@ -22,8 +23,7 @@ from .heldout import Heldout
 from .inject import count_report, inject, params_of
 from .prefix import FrozenPrefix, first_adapted_layer
 from .progress import Reporter
-from .schedule import checkpoints as lr_points
-from .schedule import lr_at
+from .schedule import checkpoints as lr_points, lr_at
 from .step import Stepper
 
 
@@ -268,7 +268,7 @@ class Run:
         self.last_loss = meta.get("last_loss")
         self.init_sum = meta.get("init_checksum", self.init_sum)
         self.r.say(f"resumed from {path} at step {self.step}")
-        _mark_resume(self.dir / "metrics.jsonl", self.step)
+        checkpoint.mark_resume(self.dir / "metrics.jsonl", self.step)
 
     def save(self):
         ps = [p.numpy() for p in self.params]
@@ -332,26 +332,14 @@ def _cached_base(path: Path, key: str):
     return saved.get("base") if isinstance(saved, dict) and saved.get("key") == key else None
 
 
-def _mark_resume(metrics: Path, step: int):
-    """Drop the records of steps after the checkpoint (they run again) and mark the resume."""
-    keep = []
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue                       # a line cut by the kill
-            if rec.get("step", 0) <= step:
-                keep.append(line)
-    keep.append(json.dumps({"event": "resume", "step": step}))
-    checkpoint.atomic_write(metrics, ("\n".join(keep) + "\n").encode())
-
-
 def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None, reuse=None, final=True,
         files=None, group=None):
     """Returns the Run (its final evidence in .final, gates in .gates). at_step: see Run.train_loop.
     final=False: the base evidence but no final evaluation or gates (a probe measuring at its own steps).
-    reuse, files, group: see Run."""
+    reuse, files, group: see Run. Runs under vkdsl.matmul_precision(cfg.precision) (as vkdsl-train does)."""
+    if cfg.precision != matmul_precision_now():
+        raise ValueError(f"precision {cfg.precision} asked for, but matmuls trace at {matmul_precision_now()}: "
+                         f"call run() under vkdsl.matmul_precision({cfg.precision!r})")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     rep = Reporter(run_dir / "train.log", cfg.quiet, cfg.jsonl)
@@ -364,7 +352,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
     r.preflight()
     if resume and not any((Path(resume) / n).exists() for n in (checkpoint.NAME, checkpoint.LEGACY)):
         rep.say(f"no checkpoint in {resume} yet: starting from step 0 with its config")
-        _mark_resume(run_dir / "metrics.jsonl", 0)
+        checkpoint.mark_resume(run_dir / "metrics.jsonl", 0)
     elif resume:
         r.restore(resume)
     if evidence_at_end:

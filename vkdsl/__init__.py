@@ -1,4 +1,5 @@
 """vkdsl: a traced tensor DSL that compiles to Vulkan compute."""
+from .precision import matmul_precision
 from .runtime import list_devices, open_device
 from .tensor import ShapeError, Tensor
 from .trace import trace
@@ -11,4 +12,4 @@ def tensor(a, requires_grad=False, name=None) -> Tensor:
     return Tensor.from_numpy(a, requires_grad=requires_grad, name=name)
 
 
-__all__ = ["Tensor", "tensor", "trace", "open_device", "list_devices", "ShapeError"]
+__all__ = ["Tensor", "tensor", "trace", "open_device", "list_devices", "ShapeError", "matmul_precision"]

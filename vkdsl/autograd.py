@@ -6,6 +6,7 @@ to earlier trainable tensors. The result is a lazy graph like any other: trace i
 from __future__ import annotations
 
 from .custom import CustomOp, custom
+from .precision import matmul_precision
 from .tensor import ShapeError, Tensor
 
 # Each rule: (node, upstream gradient g, *sources) -> one gradient per source (None = no gradient).
@@ -29,16 +30,17 @@ def _inverse(axes):
 
 
 def _matmul_grads(out, g, a, b):
-    ta, tb, nb, ba, bb = out.arg
+    ta, tb = out.arg.ta, out.arg.tb
     A = a.transpose(-1, -2) if ta else a          # the logical operands of out = A @ B
     B = b.transpose(-1, -2) if tb else b
     ga = gb = None
-    if a.requires_grad:
-        dA = _batch_sum(g @ B.transpose(-1, -2), A, g, B, "a")
-        ga = dA.transpose(-1, -2) if ta else dA
-    if b.requires_grad:
-        dB = _batch_sum(A.transpose(-1, -2) @ g, B, A, g, "b")
-        gb = dB.transpose(-1, -2) if tb else dB
+    with matmul_precision(out.arg.precision):     # gradients at the forward's precision
+        if a.requires_grad:
+            dA = _batch_sum(g @ B.transpose(-1, -2), A, g, B, "a")
+            ga = dA.transpose(-1, -2) if ta else dA
+        if b.requires_grad:
+            dB = _batch_sum(A.transpose(-1, -2) @ g, B, A, g, "b")
+            gb = dB.transpose(-1, -2) if tb else dB
     return ga, gb
 
 

@@ -6,6 +6,8 @@ import time
 
 import numpy as np
 
+from .matmul import plan_matmul
+from .precision import matmul_precision
 from .realize import record_step, step_name
 from .runtime import Recording
 from .trace import trace
@@ -25,20 +27,22 @@ def best_of(fn, reps: int = 5, min_time: float = 0.2) -> float:
     return best
 
 
-def bench_matmul(sizes=(256, 512, 1024, 2048)):
-    """fp32 C = A @ B (n x n x n) on the device vs numpy on the same cores."""
+def bench_matmul(sizes=(256, 512, 1024, 2048), precision="fp32"):
+    """C = A @ B (n x n x n) on the device at a matmul precision vs numpy fp32 on the same cores."""
     rows = []
     rng = np.random.default_rng(0)
     for n in sizes:
         a = rng.standard_normal((n, n), dtype=np.float32)
         b = rng.standard_normal((n, n), dtype=np.float32)
-        prog = trace(lambda x, y: x @ y).program(a, b)
+        with matmul_precision(precision):
+            prog = trace(lambda x, y: x @ y).program(a, b)
         prog.run([a, b])
         # Time the recorded dispatch alone (inputs already on the device): that is the kernel.
         dev_t = best_of(prog.recording.submit_wait, reps=3 if n >= 2048 else 5)
         np_t = best_of(lambda: a @ b, reps=3 if n >= 2048 else 5)
         flops = 2.0 * n ** 3
-        rows.append({"size": n, "device_gflops": flops / dev_t / 1e9, "numpy_gflops": flops / np_t / 1e9,
+        rows.append({"size": n, "precision": precision, "kernel": plan_matmul(prog.recording.device, M=n, N=n, K=n, precision=precision).name,
+                     "device_gflops": flops / dev_t / 1e9, "numpy_gflops": flops / np_t / 1e9,
                      "ratio": np_t / dev_t, "device_ms": dev_t * 1e3, "numpy_ms": np_t * 1e3})
         prog.release()
     return rows

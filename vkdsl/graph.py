@@ -25,6 +25,7 @@ class MatmulArg(NamedTuple):
     batch: int
     batch_a: int
     batch_b: int
+    precision: str = "fp32"       # vkdsl.precision: fp32, or fp16 inputs with fp32 accumulation
 
 
 def walk(roots):

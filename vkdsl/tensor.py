@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from . import realize
+from . import precision
 from .graph import DTYPES, MatmulArg
 
 
@@ -350,5 +351,5 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         return t, tr, (math.prod(t.shape[:-2]) if t.ndim > 2 else 1)
     a2, ta, ba = prep(a, M, K)
     b2, tb, bb = prep(b, K, N)
-    return Tensor("matmul", (a2, b2), MatmulArg(ta, tb, nb, ba, bb), shape=out_shape,
+    return Tensor("matmul", (a2, b2), MatmulArg(ta, tb, nb, ba, bb, precision.current()), shape=out_shape,
                   requires_grad=a.requires_grad or b.requires_grad)

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from . import precision
 from .graph import DTYPES
 from .realize import Program, capturing
 from .tensor import Tensor
@@ -38,7 +39,8 @@ class Traced:
         self.programs = {}
 
     def _key(self, arrays):
-        return tuple((a.shape, a.dtype.str) for a in arrays)
+        # the matmul precision is baked into the traced graph, so it selects the program too
+        return (precision.current(),) + tuple((a.shape, a.dtype.str) for a in arrays)
 
     def compile(self, *arrays):
         arrays = [_as_input(a, i) for i, a in enumerate(arrays)]

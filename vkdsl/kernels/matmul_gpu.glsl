@@ -2,30 +2,17 @@
 // block of C, staging BK-deep slices of op(A) and op(B) in shared memory; each thread keeps a TM x TN
 // register tile on a strided grid (thread tx owns columns tx, tx + BN/TN, ...), so shared reads and
 // C stores of neighbouring threads are neighbouring addresses. Loads are scalar and bounds-checked
-// (zero outside), so any shape and alignment works.
-shared float sa[BK][BM + 1];   // +1: column-wise stores of a transposed slice avoid bank conflicts
-shared float sb[BK][BN + 1];
+// (zero outside), so any shape and alignment works. F16_TILES (precision fp16) stages the slices
+// as fp16: the inputs are rounded once, products of two fp16 values are exact in fp32 and the sums
+// stay fp32 — the numerics of the cooperative-matrix kernel, on any device with shaderFloat16.
+#ifdef F16_TILES
+#define TILE float16_t
+#else
+#define TILE float
+#endif
+shared TILE sa[BK][BM + 1];   // +1: column-wise stores of a transposed slice avoid bank conflicts
+shared TILE sb[BK][BN + 1];
 layout(std430, binding = 0) writeonly buffer CBuf { float c_data[]; };
-
-float load_a(uint a0, uint m, uint k) {      // op(A)[m, k]
-    if (m >= pc.M || k >= pc.K) return 0.0;
-#if TA == 0
-    return a_data[a0 + m * pc.K + k];
-#else
-    return a_data[a0 + k * pc.M + m];
-#endif
-}
-
-#ifndef CUSTOM_LOAD_B
-float load_b(uint b0, uint k, uint n) {      // op(B)[k, n]
-    if (k >= pc.K || n >= pc.N) return 0.0;
-#if TB == 0
-    return b_data[b0 + k * pc.N + n];
-#else
-    return b_data[b0 + n * pc.K + k];
-#endif
-}
-#endif
 
 void main() {
     const uint nthreads = gl_WorkGroupSize.x * gl_WorkGroupSize.y;
@@ -46,7 +33,7 @@ void main() {
 #else
             const uint kk = e / BM, r = e % BM;
 #endif
-            sa[kk][r] = load_a(a0, m0 + r, k0 + kk);
+            sa[kk][r] = TILE(load_a(a0, m0 + r, k0 + kk));
         }
         for (uint e = tid; e < BN * BK; e += nthreads) {
 #if TB == 0
@@ -54,13 +41,13 @@ void main() {
 #else
             const uint c = e / BK, kk = e % BK;
 #endif
-            sb[kk][c] = load_b(b0, k0 + kk, n0 + c);
+            sb[kk][c] = TILE(load_b(b0, k0 + kk, n0 + c));
         }
         barrier();
         [[unroll]] for (int kk = 0; kk < BK; kk++) {
             float a[TM], b[TN];
-            [[unroll]] for (int i = 0; i < TM; i++) a[i] = sa[kk][ty + i * (BM / TM)];
-            [[unroll]] for (int j = 0; j < TN; j++) b[j] = sb[kk][tx + j * (BN / TN)];
+            [[unroll]] for (int i = 0; i < TM; i++) a[i] = float(sa[kk][ty + i * (BM / TM)]);
+            [[unroll]] for (int j = 0; j < TN; j++) b[j] = float(sb[kk][tx + j * (BN / TN)]);
             [[unroll]] for (int i = 0; i < TM; i++)
                 [[unroll]] for (int j = 0; j < TN; j++) acc[i][j] = fma(a[i], b[j], acc[i][j]);
         }

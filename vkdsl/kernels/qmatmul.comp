@@ -30,6 +30,7 @@ float load_b(uint b0, uint k, uint n) {
     return q32_get(q, int(n % 32u));
 #endif
 }
+#include "matmul_loads.glsl"
 #include "matmul_gpu.glsl"
 #else
 #include "qmatmul_lvp.glsl"

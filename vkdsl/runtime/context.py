@@ -32,9 +32,17 @@ class Device:
         f16 = vk.VkPhysicalDeviceShaderFloat16Int8Features(
             pNext=s16, shaderFloat16=int(info.limits.float16), shaderInt8=int(info.limits.int8))
         s8 = vk.VkPhysicalDevice8BitStorageFeatures(pNext=f16, storageBuffer8BitAccess=int(info.limits.int8))
-        core = vk.VkPhysicalDeviceFeatures2(pNext=s8, features=vk.VkPhysicalDeviceFeatures(
+        chain, extensions = s8, []
+        if info.limits.cooperative_matrix:      # the cooperative-matrix matmul (vkdsl.matmul, variant coop)
+            coop = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
+                sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR,
+                pNext=s8, cooperativeMatrix=1)
+            chain = vk.VkPhysicalDeviceVulkanMemoryModelFeatures(pNext=coop, vulkanMemoryModel=1)
+            extensions = ["VK_KHR_cooperative_matrix"]
+        core = vk.VkPhysicalDeviceFeatures2(pNext=chain, features=vk.VkPhysicalDeviceFeatures(
             shaderInt64=int(info.limits.int64)))
-        create = vk.VkDeviceCreateInfo(pNext=core, queueCreateInfoCount=1, pQueueCreateInfos=[qinfo])
+        create = vk.VkDeviceCreateInfo(pNext=core, queueCreateInfoCount=1, pQueueCreateInfos=[qinfo],
+                                       enabledExtensionCount=len(extensions), ppEnabledExtensionNames=extensions)
         self.handle = vkcall(vk.vkCreateDevice, pd, create, None)
         self.queue = vk.vkGetDeviceQueue(self.handle, self.queue_family, 0)
         self.command_pool = vkcall(vk.vkCreateCommandPool, self.handle, vk.VkCommandPoolCreateInfo(

@@ -31,7 +31,8 @@ class Limits:
     int8: bool
     int64: bool              # shaderInt64: 64-bit integer types (the 8-float matmul loads)
     subgroup_arithmetic: bool = False   # subgroupAdd/Max/... in compute shaders
-    cooperative_matrix: bool = False    # VK_KHR_cooperative_matrix
+    cooperative_matrix: bool = False    # VK_KHR_cooperative_matrix with an fp16 x fp16 + fp32 subgroup shape
+    coopmat_shapes: tuple = ()          # ((M, N, K), ...) of those shapes, as the driver lists them
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def _info(index: int, pd) -> DeviceInfo:
     unified = any((mem.memoryTypes[i].propertyFlags & want) == want and mem.memoryTypes[i].heapIndex == big
                   for i in range(mem.memoryTypeCount))
     L = props.limits
+    coop = _coopmat_shapes(pd) if "VK_KHR_cooperative_matrix" in _extensions(pd) and f16.shaderFloat16 else ()
     limits = Limits(
         max_storage_buffer_range=L.maxStorageBufferRange,
         max_workgroup_size=tuple(L.maxComputeWorkGroupSize),
@@ -88,12 +90,40 @@ def _info(index: int, pd) -> DeviceInfo:
         int8=bool(f16.shaderInt8), int64=bool(vk.vkGetPhysicalDeviceFeatures(pd).shaderInt64),
         subgroup_arithmetic=bool(sub.supportedOperations & vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT
                                  and sub.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
-        cooperative_matrix="VK_KHR_cooperative_matrix" in _extensions(pd))
+        cooperative_matrix=bool(coop), coopmat_shapes=coop)
     return DeviceInfo(index=index, name=props.deviceName, kind=_TYPE_NAMES.get(props.deviceType, "other"),
                       driver=vk.ffi.string(drv.driverName).decode(errors="replace"),
                       driver_info=vk.ffi.string(drv.driverInfo).decode(errors="replace"),
                       api_version=_version(props.apiVersion), heaps=heaps,
                       host_visible_device_local=unified, limits=limits, handle=pd)
+
+
+def _coopmat_shapes(pd) -> tuple:
+    """(M, N, K) of the subgroup-scope cooperative matrices with fp16 A and B and fp32 C and result
+    that the device lists and can run (the cooperativeMatrix and vulkanMemoryModel features)."""
+    feats = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
+        sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR)
+    model = vk.VkPhysicalDeviceVulkanMemoryModelFeatures(pNext=feats)
+    vk.vkGetPhysicalDeviceFeatures2(pd, vk.VkPhysicalDeviceFeatures2(pNext=model))
+    if not (feats.cooperativeMatrix and model.vulkanMemoryModel):
+        return ()
+    name = b"vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"
+    raw = vk.lib.vkGetInstanceProcAddr(instance(), name)
+    if raw == vk.ffi.NULL:
+        return ()
+    fn = vk.ffi.cast("PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR", raw)
+    n = vk.ffi.new("uint32_t*")
+    if fn(pd, n, vk.ffi.NULL) != vk.VK_SUCCESS:
+        return ()
+    props = vk.ffi.new("VkCooperativeMatrixPropertiesKHR[]", n[0])
+    for i in range(n[0]):
+        props[i].sType = vk.VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR
+    if fn(pd, n, props) != vk.VK_SUCCESS:
+        return ()
+    f16, f32 = vk.VK_COMPONENT_TYPE_FLOAT16_KHR, vk.VK_COMPONENT_TYPE_FLOAT32_KHR
+    return tuple(sorted({(p.MSize, p.NSize, p.KSize) for p in props[0:n[0]]
+                         if (p.AType, p.BType, p.CType, p.ResultType) == (f16, f16, f32, f32)
+                         and p.scope == vk.VK_SCOPE_SUBGROUP_KHR and not p.saturatingAccumulation}))
 
 
 def _extensions(pd) -> set:

