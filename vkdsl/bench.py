@@ -81,7 +81,7 @@ def step_flops(step) -> int:
     """Arithmetic of a matmul-like step (2 per multiply-add); 0 for the rest."""
     t = step.node
     if step.kind == "matmul":
-        ta, tb, nb, _, _ = t.arg
+        ta, nb = t.arg.ta, t.arg.batch
         a = t.src[0]
         K = a.shape[-2] if ta else a.shape[-1]
         return 2 * nb * t.shape[-2] * t.shape[-1] * K
