@@ -382,6 +382,14 @@ def quant_cases():
         for rows, cols in [(1, 32), (3, 64), (7, 576)]:
             out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
                             lambda r, f=fn, n=rows * cols // 32: [f(r, n).ravel()]))
+    # precision fp16 with a quantized weight (N, K): X and the dequantized weight rounded to fp16
+    for fmt, fn, form, (m, n, k) in [("q8_0", _q8_0, "nt", (17, 96, 64)), ("q4_1", _q4_1, "nt", (33, 40, 320)),
+                                     ("q4_1", _q4_1, "nn", (9, 96, 64)), ("q4_0", _q4_0, "nt", (3, 7, 32)),
+                                     ("q6_k", _kquant(210, (208,)), "nt", (5, 9, 256))]:
+        xin = (m, k) if form == "nt" else (m, n)
+        out.append(Case(f"qmatmul_f16in[{fmt},{form},{m}x{n}x{k}]", "qmatmul_f16in",
+                        {"fmt": fmt, "shape": [n, k], "form": form},
+                        lambda r, f=fn, xs=xin, nb=n * k // (256 if fmt == "q6_k" else 32): [N(r, xs), f(r, nb).ravel()]))
     for op, fn in [("dequant_q4_k", _kquant(144, (0,))), ("dequant_q5_k", _kquant(176, (0,))),
                    ("dequant_q6_k", _kquant(210, (208,)))]:
         for rows, cols in [(1, 256), (3, 512)]:

@@ -130,6 +130,7 @@ PHASE2: dict[str, Callable] = {
     "dequant_q4_1": _dequant(Q.dequant_q4_1), "dequant_f16": _dequant(Q.dequant_f16),
     "dequant_q4_k": _dequant(Q.dequant_q4_k), "dequant_q5_k": _dequant(Q.dequant_q5_k),
     "dequant_q6_k": _dequant(Q.dequant_q6_k),
+    "qmatmul_f16in": lambda ins, p, g: {"out": Q.qmatmul_f16in(ins[0], ins[1], p["fmt"], p["shape"], p["form"])},
 }
 
 # ops whose cases carry an upstream gradient "gout" (same shape as "out")

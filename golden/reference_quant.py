@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .reference import exact_sum
+from .reference import exact_sum, matmul
 
 
 def _f64(x) -> np.ndarray:
@@ -14,7 +14,7 @@ def _f64(x) -> np.ndarray:
 __all__ = ["int4_quantize", "int4_dequantize", "int4_roundtrip",
            "NF4_CODEBOOK", "nf4_quantize", "nf4_dequantize", "nf4_roundtrip",
            "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1", "dequant_f16",
-           "dequant_q4_k", "dequant_q5_k", "dequant_q6_k"]
+           "dequant_q4_k", "dequant_q5_k", "dequant_q6_k", "qmatmul_f16in"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -261,3 +261,11 @@ def dequant_q6_k(raw, shape) -> np.ndarray:
     h, u = t // 128, t % 128
     q = ((ql[:, 64 * h + u % 64] >> (4 * (u // 64))) & 15) | (((qh[:, 32 * h + u % 32] >> (2 * (u // 32))) & 3) << 4)
     return (d[:, None] * sc[:, t // 16] * (q - 32)).reshape(shape)
+
+
+def qmatmul_f16in(x, raw, fmt: str, shape, form: str) -> np.ndarray:
+    """X times a GGUF weight W of shape (N, K) at precision fp16: X and the dequantized W rounded
+    to fp16 (round to nearest even), summed exactly; form nt: X . W^T, nn: X . W."""
+    deq = {"q8_0": dequant_q8_0, "q4_0": dequant_q4_0, "q4_1": dequant_q4_1, "q6_k": dequant_q6_k}[fmt]
+    w = deq(raw, tuple(shape)).astype(np.float16)
+    return matmul(np.asarray(x, np.float32).astype(np.float16), w, tb=form == "nt")

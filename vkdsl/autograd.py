@@ -171,6 +171,9 @@ def grad(loss: Tensor, params, upstream: Tensor | None = None, local: bool = Fal
         g = grads.pop(id(t), None)
         if g is not None and id(t) in wanted:
             found[id(t)] = g            # params may be inner nodes too (a custom op's inputs)
+        elif g is not None and t.op == "buffer" and t.arg == "realized":
+            raise ValueError(f"grad: {t} on the way from the loss to the parameters was read (numpy()) before "
+                             f"grad, which drops the graph below it; take the gradients first")
         if g is None or not _sources(t) or (local and id(t) in wanted):
             continue
         if t.backward is not None:

@@ -217,7 +217,9 @@ class Program:
 
 
 def _as_leaf(t, buf):
-    t.op, t.src, t.arg, t.buffer = "buffer", (), None, buf
+    # a realized tensor that depended on parameters keeps a mark: its graph is gone, and a later
+    # grad() through it must say so instead of returning zeros (vkdsl.autograd.grad)
+    t.op, t.src, t.arg, t.buffer = "buffer", (), ("realized" if t.requires_grad else None), buf
 
 
 def realize(tensors):

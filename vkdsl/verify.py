@@ -74,7 +74,8 @@ def _matmul_fp16(i, p):
         return _matmul(i, p)
 
 
-def _no_fp16(dev) -> str:
+def fp16_unsupported(dev) -> str:
+    """Why this device runs no precision-fp16 matmul ('' when it does): the fp16 rows' applicability."""
     try:
         fp16_choice(dev)
         return ""
@@ -86,7 +87,7 @@ register("matmul_f16in", _matmul_fp16, 1e-8,
          "precision fp16 against the golden of the inputs rounded to fp16 (round to nearest even, as "
          "Vulkan converts): products of two fp16 values are exact in fp32, sums are fp32 as in matmul: "
          "NMSE ~ n*eps32^2; a kernel that kept fp32 inputs is off by ~2u^2/3 = 1.6e-7 (u = 2^-11), "
-         "one that summed in fp16 by far more", _no_fp16)
+         "one that summed in fp16 by far more", fp16_unsupported)
 
 
 # ---- running ---------------------------------------------------------------------------------

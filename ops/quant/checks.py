@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 import vkdsl
-from vkdsl.verify import register
+from vkdsl.precision import matmul_precision
+from vkdsl.verify import fp16_unsupported, register
 
 from .formats import NF4_GROUP, QuantizedWeight, from_gguf, unpack_nibbles
-from .linear import dequant
+from .linear import dequant, packed_arrays, qlinear
 from .roundtrip import roundtrip
 
 
@@ -96,3 +97,16 @@ register("dequant_q6_k", _gguf("q6_k"), 0.0, "d * sc (11-bit times 8-bit) times 
          "exact in fp32")
 register("dequant_q4_1", _gguf("q4_1"), 1e-14,
          "d * q is exact in fp32, adding the f16 m rounds once: |err| <= 2^-24 |w| -> NMSE <= 3.6e-15")
+
+
+def _qmatmul_fp16(i, p):
+    qw = from_gguf(i[1].numpy().astype(np.uint8), p["fmt"], tuple(p["shape"]))
+    with matmul_precision("fp16"):
+        return qlinear(i[0], packed_arrays(qw, qw.fmt), qw.fmt, qw.shape, p["form"])
+
+
+register("qmatmul_f16in", _qmatmul_fp16, 1e-8,
+         "precision fp16 with a quantized weight, against the golden of X and the dequantized weight rounded "
+         "to fp16: exact fp32 products, fp32 sums as in matmul (NMSE ~ n*eps32^2); the device's fp32 "
+         "dequantization can round a Q4_1 weight to the other fp16 neighbour only at a tie (one element "
+         "in thousands, NMSE < 1e-10); a kernel that kept fp32 inputs is off by ~1e-7", fp16_unsupported)

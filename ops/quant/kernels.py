@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, default_variant, gpu_config, grid_for,
                                lvp_widths, widest)
+from vkdsl.matmul import FP16_VARIANTS, coop_config, fp16_choice
 from vkdsl.matmul import PUSH as MATMUL_PUSH
+from vkdsl.precision import PrecisionError, check
 
 from .formats import FORMATS, NF4_GROUP, Format, array_nbytes, check_shape, get_format
 
@@ -45,13 +47,21 @@ class QuantPlan:
 def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int):
     """(kernel name, defines, local size, rows and columns per workgroup) of a qmatmul variant."""
     tb = int(form == "nt")
-    if variant == "gpu":
+    if variant in ("gpu", "gpu16"):
         cfg = gpu_config(dev)
         d = dict(f.defines, TB=tb, VARIANT_GPU=1, VEC=1, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], TM=cfg["TM"],
                  TN=cfg["TN"])
+        if variant == "gpu16":          # fp16 tiles: the dequantized weight is rounded to fp16 as it is staged
+            d["F16_TILES"] = 1
+            return f"qmatmul_{form}_{f.name}_gpu16_{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
         return f"qmatmul_{form}_{f.name}_gpu{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
+    if variant == "coop":
+        c = coop_config(dev)
+        d = dict(f.defines, TB=tb, VARIANT_COOP=1, VEC=1, **{k: c[k] for k in ("CM", "CN", "CK", "WT", "BK")})
+        bm, bn = c["CM"] * c["WT"], c["CN"] * c["WT"]
+        return f"qmatmul_{form}_{f.name}_coop{c['CM']}x{c['CN']}x{c['CK']}_{bm}", d, c["LOCAL"], bm, bn
     if variant != "lvp":
-        raise ValueError(f"unknown qmatmul variant {variant!r} (lvp or gpu)")
+        raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
     t = LVP_TILE
     d = dict(f.defines, TB=tb, VEC=vec, SV=sv, TM=t["TM"], TN=t["TN"])
     lx, ly, _ = t["LOCAL"]
@@ -59,10 +69,11 @@ def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int):
 
 
 def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: int = 1,
-                 batch_stride_x: int | None = None, variant: str | None = None) -> QuantPlan:
+                 batch_stride_x: int | None = None, variant: str | None = None, precision: str = "fp32") -> QuantPlan:
     """Matmul with a quantized N x K weight W (dequantized in the shader):
     form 'nt': C (M x N) = X (M x K) . W^T;   form 'nn': C (M x K) = X (M x N) . W.
-    X is fp32, batched with batch_stride_x elements (None: dense; 0: one X for every batch)."""
+    X is fp32, batched with batch_stride_x elements (None: dense; 0: one X for every batch).
+    precision fp16: X and the dequantized W rounded to fp16, fp32 sums (vkdsl.matmul.fp16_choice)."""
     f = get_format(fmt)
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     check_shape(f, N, K)
@@ -71,6 +82,10 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     rows, cols, red = (M, N, K) if form == "nt" else (M, K, N)
     sx = rows * red if batch_stride_x is None else int(batch_stride_x)
     sc = rows * cols
+    if check(precision, "matmul precision") == "fp16":
+        variant = variant or fp16_choice(dev)[0]
+        if variant not in FP16_VARIANTS:
+            raise PrecisionError(f"qmatmul variant {variant} is fp32; precision fp16 runs {' or '.join(FP16_VARIANTS)}")
     variant = variant or default_variant(dev)
     if form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0:
         # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
@@ -81,7 +96,8 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
                          fmt=f.name, N=N, K=K, bytes_x=4 * M * K, bytes_c=4 * M * N, flops=2 * M * N * K)
     vec = widest([red, sx], lvp_widths(dev))
     name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1)
-    kernel = build_kernel(dev, "qmatmul.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, local)
+    kernel = build_kernel(dev, "qmatmul.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, local,
+                          coopmat=variant == "coop")
     groups = (-(-cols // bn), -(-rows // bm), batch) if min(rows, batch) > 0 else (0, 0, 0)
     last = max(batch - 1, 0)
     return QuantPlan(name=name, kernel=kernel, groups=groups, push=MATMUL_PUSH.pack(rows, cols, red, sx, 0, sc),

@@ -7,6 +7,7 @@ import numpy as np
 import vkdsl
 from vkdsl import Tensor
 from vkdsl.custom import CustomOp, custom
+from vkdsl.precision import current as precision_now
 from vkdsl.runtime import Buffer
 
 from . import kernels
@@ -15,16 +16,18 @@ from .formats import QuantizedWeight, get_format
 
 class QLinear(CustomOp):
     """y (M, N) = x (M, K) . W^T with W (N, K) packed, dequantized inside the matmul shader ('nt');
-    its input gradient dx = g . W is the same kernel in form 'nn'. W is frozen: no gradient."""
+    its input gradient dx = g . W is the same kernel in form 'nn'. W is frozen: no gradient.
+    The matmul precision is the one current when the node is made (vkdsl.precision)."""
 
-    def __init__(self, fmt: str, shape, form: str = "nt"):
+    def __init__(self, fmt: str, shape, form: str = "nt", precision: str | None = None):
         self.fmt, self.shape, self.form = get_format(fmt).name, tuple(shape), form
-        self.name = f"qlinear_{form}_{self.fmt}"
+        self.precision = precision or precision_now()
+        self.name = f"qlinear_{form}_{self.fmt}" + ("_fp16" if self.precision == "fp16" else "")
 
     def record(self, rec, out, srcs):
         N, K = self.shape
         M = srcs[0].nbytes // 4 // (K if self.form == "nt" else N)
-        plan = kernels.plan_qmatmul(rec.device, self.fmt, M=M, N=N, K=K, form=self.form)
+        plan = kernels.plan_qmatmul(rec.device, self.fmt, M=M, N=N, K=K, form=self.form, precision=self.precision)
         kernels.record_qmatmul(rec, plan, out, srcs[0], *srcs[1:])
 
     def flops(self, node) -> int:
@@ -32,7 +35,7 @@ class QLinear(CustomOp):
         return 2 * node.shape[0] * N * K
 
     def backward(self, node, g, x, *arrays):
-        return (qlinear(g, arrays, self.fmt, self.shape, "nn" if self.form == "nt" else "nt"),
+        return (qlinear(g, arrays, self.fmt, self.shape, "nn" if self.form == "nt" else "nt", self.precision),
                 *([None] * len(arrays)))
 
 
@@ -52,14 +55,15 @@ def packed_arrays(qw: QuantizedWeight, name: str = "w") -> list[Tensor]:
             for a, n in zip(qw.arrays, get_format(qw.fmt).arrays)]
 
 
-def qlinear(x: Tensor, arrays, fmt: str, shape, form: str = "nt") -> Tensor:
+def qlinear(x: Tensor, arrays, fmt: str, shape, form: str = "nt", precision: str | None = None) -> Tensor:
     """x (M, K) . W^T ('nt') or x (M, N) . W ('nn') with W (N, K) given as packed int32 arrays."""
     N, K = shape
     kin, nout = (K, N) if form == "nt" else (N, K)
     if x.ndim != 2 or x.shape[1] != kin:
         raise ValueError(f"qlinear {fmt} {N}x{K} ({form}): input {x.name or ''} of shape {x.shape}, "
                          f"expected (M, {kin})")
-    return custom(QLinear(fmt, shape, form), [x, *arrays], (x.shape[0], nout), requires_grad=x.requires_grad)
+    return custom(QLinear(fmt, shape, form, precision), [x, *arrays], (x.shape[0], nout),
+                  requires_grad=x.requires_grad)
 
 
 class Dequant(CustomOp):
