@@ -173,16 +173,6 @@ def matmul_cases():
         out.append(Case(f"matmul[nn,batch={bsz},{m}x{k}x{n}]", "matmul",
                         {"ta": False, "tb": False, "batch": True},
                         lambda r, b=bsz, m=m, k=k, n=n: _mm_inputs(r, m, k, n, False, False, (b,))))
-    # precision fp16: ragged tiles, a long reduction (fp16 sums would show), a batch, and values near
-    # the top of fp16's range (65504) whose products only fp32 holds
-    for form, ta, tb in [("nn", False, False), ("nt", False, True), ("tn", True, False)]:
-        for m, k, n in [(3, 7, 33), (129, 257, 95), (33, 1023, 7)]:
-            out.append(Case(f"matmul_f16in[{form},{m}x{k}x{n}]", "matmul_f16in", {"ta": ta, "tb": tb},
-                            lambda r, m=m, k=k, n=n, ta=ta, tb=tb: _mm_inputs(r, m, k, n, ta, tb)))
-    out.append(Case("matmul_f16in[nn,batch=3,33x7x5]", "matmul_f16in", {"ta": False, "tb": False, "batch": True},
-                    lambda r: _mm_inputs(r, 33, 7, 5, False, False, (3,))))
-    out.append(Case("matmul_f16in[nn,17x64x9,mag=3e4]", "matmul_f16in", {"ta": False, "tb": False},
-                    lambda r: [x * np.float32(3e4) for x in _mm_inputs(r, 17, 64, 9, False, False)]))
     return out
 
 
@@ -382,14 +372,6 @@ def quant_cases():
         for rows, cols in [(1, 32), (3, 64), (7, 576)]:
             out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
                             lambda r, f=fn, n=rows * cols // 32: [f(r, n).ravel()]))
-    # precision fp16 with a quantized weight (N, K): X and the dequantized weight rounded to fp16
-    for fmt, fn, form, (m, n, k) in [("q8_0", _q8_0, "nt", (17, 96, 64)), ("q4_1", _q4_1, "nt", (33, 40, 320)),
-                                     ("q4_1", _q4_1, "nn", (9, 96, 64)), ("q4_0", _q4_0, "nt", (3, 7, 32)),
-                                     ("q6_k", _kquant(210, (208,)), "nt", (5, 9, 256))]:
-        xin = (m, k) if form == "nt" else (m, n)
-        out.append(Case(f"qmatmul_f16in[{fmt},{form},{m}x{n}x{k}]", "qmatmul_f16in",
-                        {"fmt": fmt, "shape": [n, k], "form": form},
-                        lambda r, f=fn, xs=xin, nb=n * k // (256 if fmt == "q6_k" else 32): [N(r, xs), f(r, nb).ravel()]))
     for op, fn in [("dequant_q4_k", _kquant(144, (0,))), ("dequant_q5_k", _kquant(176, (0,))),
                    ("dequant_q6_k", _kquant(210, (208,)))]:
         for rows, cols in [(1, 256), (3, 512)]:
@@ -399,7 +381,7 @@ def quant_cases():
 
 
 def all_cases() -> list[Case]:
-    """Every version-1 case, in manifest order."""
+    """Every version-1 case but precision fp16's (cases_fp16, which follow them), in manifest order."""
     return (unary_cases() + binary_cases() + compare_select_cases() + reduce_cases()
             + matmul_cases() + layout_cases() + softmax_cases()
             + loss_cases() + layer_cases() + optim_cases() + quant_cases())

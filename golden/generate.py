@@ -28,6 +28,7 @@ if __package__ in (None, ""):
     import golden  # noqa: F401
 
 from .cases import Case, N, all_cases
+from .cases_fp16 import cases as fp16_cases
 from .dispatch import BACKWARD_OPS, evaluate
 from .store import DATA_ROOT, MANIFEST, data_dir, load_manifest
 
@@ -105,7 +106,7 @@ def generate(root: str | Path | None = None, version: int = VERSION, verbose: bo
     folder = data_dir(version, root)
     folder.mkdir(parents=True, exist_ok=True)
     entries, files = [], set()
-    for case in all_cases():
+    for case in all_cases() + fp16_cases():
         entry, arrays = build(case)
         data = npz_bytes(arrays)
         entry["file"] = file_name(case.name)
