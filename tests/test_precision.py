@@ -109,6 +109,8 @@ def test_lavapipe_takes_the_fp16_tiles_and_says_why():
     assert plan_matmul(default_device(), M=8, N=8, K=8, precision="fp16").name == "matmul_nn_gpu16_128"
     with pytest.raises(PrecisionError, match="variant lvp is fp32"):
         plan_matmul(default_device(), M=8, N=8, K=8, precision="fp16", variant="lvp")
+    with pytest.raises(PrecisionError, match="variant gpu16 is fp16; ask for precision fp16"):
+        plan_matmul(default_device(), M=8, N=8, K=8, variant="gpu16")
     with pytest.raises(PrecisionError, match="coop needs VK_KHR_cooperative_matrix"):
         plan_matmul(default_device(), M=8, N=8, K=8, precision="fp16", variant="coop")
 

@@ -145,6 +145,8 @@ def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False
         variant = variant or fp16_choice(dev)[0]
         if variant not in FP16_VARIANTS:
             raise PrecisionError(f"matmul variant {variant} is fp32; precision fp16 runs {' or '.join(FP16_VARIANTS)}")
+    elif variant in FP16_VARIANTS:
+        raise PrecisionError(f"matmul variant {variant} is fp16; ask for precision fp16")
     variant = variant or default_variant(dev)
     name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc)
     push = PUSH.pack(M, N, K, sa, sb, sc)
@@ -196,6 +198,7 @@ def bench(sizes=(256, 512, 1024, 2048), forms=("nn", "nt", "tn"), variant=None, 
 
     from .runtime import Buffer, Recording, default_device
     dev = dev or default_device()
+    precision = "fp16" if variant in FP16_VARIANTS else precision
     rng = np.random.default_rng(0)
     rows = []
     for form in forms:

@@ -86,6 +86,8 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
         variant = variant or fp16_choice(dev)[0]
         if variant not in FP16_VARIANTS:
             raise PrecisionError(f"qmatmul variant {variant} is fp32; precision fp16 runs {' or '.join(FP16_VARIANTS)}")
+    elif variant in FP16_VARIANTS:
+        raise PrecisionError(f"qmatmul variant {variant} is fp16; ask for precision fp16")
     variant = variant or default_variant(dev)
     if form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0:
         # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
