@@ -87,14 +87,17 @@ def logits(device, model_path, prompt, out, chat, adapter, force):
 @click.option("--stats", is_flag=True, help="report speed and the weights' device memory")
 @click.option("--adapter", default=None, help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")
 @click.option("--force", is_flag=True, help="apply an adapter whose manifest names another base")
-def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_p, seed, stats, adapter, force):
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
+              help="f16: keys and values stored as fp16 (half the cache memory; needs 16-bit storage)")
+def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_p, seed, stats, adapter, force,
+             kv_cache):
     """Generate text (greedy by default) with a KV cache."""
     from vkdsl.models.generate import Generator
     open_device(device)
     model, tok = _load_model(model_path, adapter=adapter, force=force)
     ids = _prompt_ids(tok, prompt, chat)
     try:
-        gen = Generator(model, len(ids) + max_new_tokens)
+        gen = Generator(model, len(ids) + max_new_tokens, kv_dtype={"f32": "float32", "f16": "float16"}[kv_cache])
     except ValueError as e:
         raise click.ClickException(str(e))
     if not chat:
@@ -114,7 +117,8 @@ def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_
         click.echo(f"[{st['prompt_tokens']} prompt tokens in {st['prefill_s']:.2f} s (includes first-call "
                    f"compile); {st['new_tokens']} new tokens at {st['new_tokens'] / max(st['decode_s'], 1e-9):.1f} "
                    f"tokens/s; weights on device {mem['device_bytes'] / 2**20:.1f} MiB vs "
-                   f"{mem['fp32_bytes'] / 2**20:.1f} MiB as fp32]", err=True)
+                   f"{mem['fp32_bytes'] / 2**20:.1f} MiB as fp32; KV cache {gen.cache.nbytes() / 2**20:.1f} MiB "
+                   f"({kv_cache})]", err=True)
 
 
 @click.command()

@@ -1,15 +1,23 @@
-"""Golden cases of matmul precision fp16 (inputs rounded to fp16, fp32 sums): the references
-round with numpy (round to nearest even) and then sum exactly (reference.matmul_f16in,
-reference_quant.qmatmul_f16in)."""
+"""Golden cases of fp16: float16 storage (Tensor.half: reference.half) and matmul precision fp16
+(inputs rounded to fp16, fp32 sums). The references round with numpy (round to nearest even) and
+then sum exactly (reference.matmul_f16in, reference_quant.qmatmul_f16in)."""
 from __future__ import annotations
 
 import numpy as np
 
-from .cases import Case, N, _kquant, _mm_inputs, _q4_0, _q4_1, _q8_0
+from .cases import LOGU, SIGNED, Case, N, _kquant, _mm_inputs, _q4_0, _q4_1, _q8_0
+
+
+def _half_inputs(r, shape):
+    """Values across fp16's range: subnormals (< 6.1e-5), ties, overflow (> 65504), inf, NaN."""
+    x = SIGNED(r, LOGU(r, shape, -9, 5)).reshape(-1)
+    x[:8] = [65504.0, 65520.0, 1e6, -np.inf, np.nan, 2.0 ** -24, 2.0 ** -25, 1.0 + 2.0 ** -11][:x.size]
+    return [x.reshape(shape)]
 
 
 def cases() -> list[Case]:
-    out = []
+    out = [Case(f"half[{'x'.join(map(str, s))}]", "half", {}, lambda r, s=s: _half_inputs(r, s))
+           for s in [(7, 33), (33, 1024), (1023,)]]
     # ragged tiles, a long reduction (fp16 sums would show), a batch, and values near the top of
     # fp16's range (65504) whose products only fp32 holds
     for form, ta, tb in [("nn", False, False), ("nt", False, True), ("tn", True, False)]:

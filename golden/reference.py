@@ -21,7 +21,7 @@ __all__ = [
     "neg", "exp", "log", "sqrt", "rsqrt", "tanh",
     "add", "sub", "mul", "div", "maximum", "cmplt", "where",
     "reduce_sum", "reduce_max", "reduce_mean",
-    "matmul", "matmul_f16in", "permute", "gather", "fused_chain", "softmax", "log_softmax",
+    "matmul", "matmul_f16in", "half", "permute", "gather", "fused_chain", "softmax", "log_softmax",
     "exact_sum", "UNARY", "BINARY", "REDUCE",
 ]
 
@@ -182,6 +182,11 @@ def matmul_f16in(a, b, ta: bool = False, tb: bool = False, batch: bool = False) 
     fp16-input, fp32-accumulation kernel approaches."""
     return matmul(np.asarray(a, np.float32).astype(np.float16), np.asarray(b, np.float32).astype(np.float16),
                   ta, tb, batch)
+
+
+def half(x) -> np.ndarray:
+    """fp32 -> fp16 by numpy (round to nearest even, overflow to inf), as float64."""
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float64)
 
 
 def permute(x, axes) -> np.ndarray:

@@ -18,38 +18,56 @@ BUCKET = 64          # prompt lengths round up to this, so a few recorded progra
 
 
 class KVCache:
-    """Per-layer key/value caches (1, L, KV, D) living on the device between calls."""
+    """Per-layer key/value caches (1, L, KV, D) living on the device between calls. dtype float16
+    halves their memory (the device's 16-bit storage): keys and values are rounded to fp16 as they
+    are written, and attention reads them back widened to fp32 -- the current token's too."""
 
-    def __init__(self, cfg, length: int):
-        self.L = length
+    def __init__(self, cfg, length: int, dtype: str = "float32"):
+        if dtype not in ("float32", "float16"):
+            raise ValueError(f"KV cache dtype {dtype!r}: expected float32 or float16")
+        self.L, self.dtype = length, dtype
         shape = (1, length, cfg.n_kv_heads, cfg.head_dim)
-        self.k = [vkdsl.tensor(np.zeros(shape, np.float32), name=f"k_cache{i}") for i in range(cfg.n_layers)]
-        self.v = [vkdsl.tensor(np.zeros(shape, np.float32), name=f"v_cache{i}") for i in range(cfg.n_layers)]
+
+        def zeros(name):
+            t = vkdsl.tensor(np.zeros(shape, np.float32), name=name)
+            if dtype == "float16":
+                t = t.half()
+                t.numpy()               # realized: a float16 buffer of its own
+            return t
+        self.k = [zeros(f"k_cache{i}") for i in range(cfg.n_layers)]
+        self.v = [zeros(f"v_cache{i}") for i in range(cfg.n_layers)]
         self.onehot = None          # (L,) position of the token being decoded; None during prefill
 
+    def nbytes(self) -> int:
+        return sum(t.buffer.nbytes for t in self.k + self.v)
+
     def layer(self, i, k, v):
+        if self.dtype == "float16":
+            k, v = k.half(), v.half()
         if self.onehot is None:     # prefill: write rows 0..T-1, attend causally within the prompt
             T = k.shape[1]
             pad = ((0, 0), (0, self.L - T), (0, 0), (0, 0))
             self.k[i].assign(k.pad(pad))
             self.v[i].assign(v.pad(pad))
-            return k, v, True
+            return k.float(), v.float(), True
         sel = self.onehot.reshape(1, self.L, 1, 1)
         k_all = self.k[i] * (1.0 - sel) + k * sel          # (1, L, KV, D), this step's row replaced
         v_all = self.v[i] * (1.0 - sel) + v * sel
+        if self.dtype == "float16":  # fp32 arithmetic on fp16 values: exact, so rounding again is a no-op
+            k_all, v_all = k_all.half(), v_all.half()
         self.k[i].assign(k_all)
         self.v[i].assign(v_all)
-        return k_all, v_all, False
+        return k_all.float(), v_all.float(), False
 
 
 class Generator:
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, max_len: int, kv_dtype: str = "float32"):
         self.model, self.cfg = model, model.cfg
         if max_len > self.cfg.context_length:
             raise ValueError(f"prompt + new tokens = {max_len} exceed the model's context of "
                              f"{self.cfg.context_length} tokens")
         self.L = min(self.cfg.context_length, BUCKET * math.ceil(max_len / BUCKET))
-        self.cache = KVCache(self.cfg, self.L)
+        self.cache = KVCache(self.cfg, self.L, kv_dtype)
         c = self.cfg
 
         def prefill(ids):                                   # ids (1, Tb) -> final hidden states

@@ -62,8 +62,8 @@ def test_every_verify_row_passes_under_the_profile(name):
     assert all(r["passed"] for r in rows)
     # only the fp16-precision rows may be left out, and only where the profile has no fp16
     skipped = [r for r in rows if not r["applicable"]]
-    fp16 = [r for r in rows if r["op"] in ("matmul_f16in", "qmatmul_f16in")]
-    assert len(fp16) == 16
+    fp16 = [r for r in rows if r["op"] in ("matmul_f16in", "qmatmul_f16in", "half")]
+    assert len(fp16) == 19
     assert skipped == (fp16 if name == "minimal" else []) and summary["not_applicable"] == len(skipped)
 
 

@@ -85,6 +85,7 @@ GRADIENTS = {
     "cmpeq": lambda o, g, a, b: (None, None),
     "where": lambda o, g, c, x, y: (None, c.where(g, 0.0), c.where(0.0, g)),
     "contiguous": lambda o, g, a: (g,),
+    "cast": lambda o, g, a: (g,),                 # rounding to fp16 passes the gradient straight through
     "reshape": lambda o, g, a: (g.reshape(a.shape),),
     "permute": lambda o, g, a: (g.permute(_inverse(o.arg)),),
     "expand": lambda o, g, a: (_unexpand(g, a.shape),),

@@ -12,9 +12,12 @@ BINARY = ("add", "sub", "mul", "div", "max", "cmplt", "cmpeq")
 VIEWS = ("reshape", "permute", "expand", "slice", "pad")
 LEAVES = ("buffer", "input", "const", "iota")
 KERNEL_OPS = ("reduce", "matmul", "gather", "custom")     # nodes computed by a kernel of their own
-ELEMENTWISE = UNARY + BINARY + ("where", "contiguous")
+ELEMENTWISE = UNARY + BINARY + ("where", "contiguous", "cast")
 DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.int32): "int32"}
-NP_DTYPE = {"float32": np.float32, "int32": np.int32}
+# float16 is a storage type (Tensor.half): values are widened to fp32 as they are read, and
+# arithmetic on them is fp32; only a cast makes one
+NP_DTYPE = {"float32": np.float32, "int32": np.int32, "float16": np.float16}
+ITEMSIZE = {"float32": 4, "int32": 4, "float16": 2}
 
 
 class MatmulArg(NamedTuple):

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import render
 from .compiler import compile_glsl
-from .graph import NP_DTYPE, reshape_base
+from .graph import ITEMSIZE, NP_DTYPE, reshape_base
 from .handwritten import default_variant, fold_grid
 from .matmul import plan_matmul, record_matmul
 from .runtime import Buffer, Recording, default_device, get_kernel
@@ -52,7 +52,8 @@ def capturing():
 
 
 def _nbytes(t):
-    return math.prod(t.shape) * 4
+    """Bytes of a tensor's buffer: whole 32-bit words (a float16 tensor of odd size rounds up)."""
+    return -(-math.prod(t.shape) * ITEMSIZE[t.dtype] // 4) * 4
 
 
 def upload(a: np.ndarray, device=None, name=None) -> Buffer:
@@ -67,6 +68,9 @@ def generated_kernel(dev, step):
     """(pipeline, workgroups) of a generated step: the renderer says the geometry."""
     # subgroup reductions on GPUs only: on lavapipe they measured slower than the shared-memory
     # tree (SFT step 4 x 64 on SmolLM2: 10.3-12.4 s vs 9.3-9.9 s)
+    if not dev.limits.storage16 and any(t.dtype == "float16" for t in (step.node, *step.inputs)):
+        raise ValueError(f"{render.kernel_name(step)}: float16 tensors need 16-bit storage "
+                         f"(storageBuffer16BitAccess), which {dev.info.describe()} lacks; keep them float32")
     r = render.render_step(step, subgroups=dev.limits.subgroup_arithmetic and default_variant(dev) == "gpu")
     k = get_kernel(dev, r.name, compile_glsl(r.name, r.source), 1 + len(step.inputs), 0, r.local)
     return k, fold_grid(dev, r.n_groups)

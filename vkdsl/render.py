@@ -13,7 +13,12 @@ CODE_FOR_OP = {
     "max": "vk_max({0}, {1})", "cmplt": "float({0} < {1})", "cmpeq": "float({0} == {1})",
     "where": "(({0} != 0.0) ? {1} : {2})", "contiguous": "{0}",
 }
-GLSL_TYPE = {"float32": "float", "int32": "int"}
+GLSL_TYPE = {"float32": "float", "int32": "int", "float16": "float16_t"}
+VEC_TYPE = {"float32": "vec4", "int32": "ivec4", "float16": "f16vec4"}
+# a value read from a buffer of this dtype, as the fp32 every expression computes in
+WIDEN = {"float32": "{0}", "int32": "float({0})", "float16": "float({0})"}
+# fp32 -> fp16, round to nearest even, in core GLSL (no fp16 arithmetic needed)
+TO_HALF = "unpackHalf2x16(packHalf2x16(vec2({0}, 0.0))).x"
 # GLSL's tanh overflows to NaN for |x| > ~44 on some drivers; max must propagate NaN like numpy.
 PRELUDE = """float vk_tanh(float x) { float e = exp(-2.0 * abs(x)); return sign(x) * (1.0 - e) / (1.0 + e); }
 float vk_max(float a, float b) { return (isnan(a) || isnan(b)) ? a + b : max(a, b); }
@@ -71,8 +76,7 @@ class Emitter:
             return f"float(v{k}[{self.e}])" if t.dtype == "int32" else f"v{k}[{self.e}]"
         if id(t) in self.leaf_index:
             off = " + ".join(f"{i} * {s}u" for i, s in zip(idx, _strides(t.shape)) if s and i != "0u") or "0u"
-            load = f"b{self.leaf_index[id(t)]}[{off}]"
-            return self.tmp(f"float({load})" if t.dtype == "int32" else load)
+            return self.tmp(WIDEN[t.dtype].format(f"b{self.leaf_index[id(t)]}[{off}]"))
         op = t.op
         if op == "iota":
             return f"float({idx[0]})"
@@ -80,6 +84,9 @@ class Emitter:
             v = t.arg
             return "(1.0/0.0)" if v == math.inf else "(-1.0/0.0)" if v == -math.inf else \
                 "(0.0/0.0)" if v != v else repr(float(v))
+        if op == "cast":            # a value of float16 dtype is the fp16-rounded value, stored or not
+            v = self.emit(t.src[0], idx)
+            return self.tmp(TO_HALF.format(v)) if t.dtype == "float16" else v
         if op in CODE_FOR_OP:
             args = [self.emit(s, idx) for s in t.src]
             return self.tmp(CODE_FOR_OP[op].format(*args))
@@ -121,6 +128,9 @@ def reshape_index(idx, new, old):
 def _header(bindings):
     """bindings: [(glsl type, name, writeonly?)]."""
     out = ["#version 450", "layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;"]
+    if any(ty == "float16_t" for ty, _ in bindings):
+        # 16-bit storage alone: float16_t in buffers, converted to and from fp32 (no fp16 arithmetic)
+        out.insert(1, "#extension GL_EXT_shader_16bit_storage : require")
     for i, (ty, wo) in enumerate(bindings):
         out.append(f"layout(std430, binding = {i}) {'writeonly ' if wo else 'readonly '}buffer B{i} {{ {ty} b{i}[]; }};")
     return "\n".join(out) + "\n" + PRELUDE
@@ -183,7 +193,7 @@ def elementwise(node, leaves) -> str:
         v = em.emit(node, idx)
         decl = "".join(f"  uint {name} = {expr};\n" for name, expr in zip(idx, _unflatten("gid", node.shape)))
         body = "\n".join(em.lines)
-        store = f"int({v})" if node.dtype == "int32" else v
+        store = {"int32": "int({0})", "float16": "float16_t({0})"}.get(node.dtype, "{0}").format(v)
         return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) +
                 f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n}u) return;\n{decl}{body}\n  b0[gid] = {store};\n}}\n")
     nd = len(node.shape)
@@ -199,12 +209,16 @@ def elementwise(node, leaves) -> str:
         t = leaves[k - 1]
         idx0 = [f"i{d}_0" for d in range(nd)][nd - t.ndim:]
         return " + ".join(f"{i} * {st}u" for i, st in zip(idx0, _strides(t.shape))) + f") / {VEC_EW}u"
-    loads = [f"  {'i' if leaves[k - 1].dtype == 'int32' else ''}vec4 v{k} = b{k}v[({first(k)}];"
-             for k in sorted(em.used_direct)]
-    vec = "ivec4" if node.dtype == "int32" else "vec4"
-    store = f"{vec}({', '.join(vals)})"
+    def vec_load(k):        # float16 is widened as it is read; int32 stays ivec4 (its loads widen each lane)
+        t = leaves[k - 1]
+        ty, src = ("vec4", f"vec4(b{k}v[({first(k)}])") if t.dtype == "float16" else \
+            (VEC_TYPE[t.dtype], f"b{k}v[({first(k)}]")
+        return f"  {ty} v{k} = {src};"
+    loads = [vec_load(k) for k in sorted(em.used_direct)]
+    vec = VEC_TYPE[node.dtype]
+    store = f"{vec}(vec4({', '.join(vals)}))" if node.dtype == "float16" else f"{vec}({', '.join(vals)})"
     aliases = "".join(f"layout(std430, binding = {k}) {'writeonly' if k == 0 else 'readonly'} buffer B{k}v "
-                      f"{{ {'i' if (node if k == 0 else leaves[k - 1]).dtype == 'int32' else ''}vec4 b{k}v[]; }};\n"
+                      f"{{ {VEC_TYPE[(node if k == 0 else leaves[k - 1]).dtype]} b{k}v[]; }};\n"
                       for k in [0] + sorted(em.used_direct))
     return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) + aliases +
             f"void main() {{\n  uint g = {GID};\n  if (g >= {n // VEC_EW}u) return;\n" + "\n".join(lines) + "\n" +

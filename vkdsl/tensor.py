@@ -104,9 +104,26 @@ class Tensor:
         self._need_float(op)
         return Tensor(op, (self,), shape=self.shape, requires_grad=self.requires_grad)
 
-    def _need_float(self, op, i=1):
-        if self.dtype != "float32":
+    def _need_float(self, op, i=1, storage_ok=True):
+        """Arithmetic takes float32, and float16 storage read as fp32; kernels that bind their
+        operands' buffers as fp32 (matmul, gather) take float32 only."""
+        if self.dtype == "float16" and not storage_ok:
+            raise TypeError(f"{op}: operand {i} is float16 storage {self.shape}; widen it with .float() first")
+        if self.dtype not in ("float32", "float16"):
             raise TypeError(f"{op}: expected a float32 tensor for operand {i}, got {self.dtype} {self.shape}")
+
+    def half(self) -> "Tensor":
+        """This value rounded to fp16 (round to nearest even) and stored in 16 bits where it is
+        materialized: half the bytes of fp32 (needs the device's 16-bit storage)."""
+        self._need_float("half")
+        return self if self.dtype == "float16" else Tensor("cast", (self,), "float16", shape=self.shape,
+                                                           dtype="float16", requires_grad=self.requires_grad)
+
+    def float(self) -> "Tensor":
+        """float16 storage widened to float32 (exact); a float32 tensor is returned as it is."""
+        self._need_float("float")
+        return self if self.dtype == "float32" else Tensor("cast", (self,), "float32", shape=self.shape,
+                                                           requires_grad=self.requires_grad)
 
     def _binary(self, op, other, reverse=False):
         other = other if isinstance(other, Tensor) else Tensor.const(other)
@@ -287,7 +304,7 @@ class Tensor:
             raise ShapeError(f"gather: the table must be 2-d (V, D), got {self.shape}")
         if idx.dtype != "int32":
             raise TypeError(f"gather: indices must be int32, got {idx.dtype}")
-        self._need_float("gather")
+        self._need_float("gather", storage_ok=False)
         total = self.shape[0] if total is None else int(total)
         if base or total != self.shape[0]:
             if self.requires_grad:
@@ -308,6 +325,9 @@ class Tensor:
         value = value if isinstance(value, Tensor) else Tensor.const(value, self.shape)
         if value.shape != self.shape:
             raise ShapeError(f"assign: value of shape {value.shape} into tensor of shape {self.shape}")
+        if value.dtype != self.dtype and not (value.op == "const" or value.op == "expand" and value.src[0].op == "const"):
+            raise TypeError(f"assign: a {value.dtype} value into a {self.dtype} tensor {self.shape}: "
+                            f"convert it (.half() / .float()) first")
         realize.assign(self, value)
         return self
 
@@ -324,8 +344,8 @@ def _peel_transpose(t: Tensor):
 
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """(..., M, K) @ (..., K, N); batch axes broadcast. 1-d operands are not promoted."""
-    a._need_float("matmul", 1)
-    b._need_float("matmul", 2)
+    a._need_float("matmul", 1, storage_ok=False)
+    b._need_float("matmul", 2, storage_ok=False)
     if a.ndim < 2 or b.ndim < 2:
         raise ShapeError(f"matmul needs operands of at least 2 dims, got {a.shape} and {b.shape}")
     (M, K), (K2, N) = a.shape[-2:], b.shape[-2:]

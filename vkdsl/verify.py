@@ -83,6 +83,12 @@ def fp16_unsupported(dev) -> str:
         return "no shaderFloat16 or cooperative matrices"
 
 
+def storage16_unsupported(dev) -> str:
+    return "" if dev.limits.storage16 else "no 16-bit storage"
+
+
+register("half", lambda i, p: i[0].half(), 0.0,
+         "fp32 -> fp16 is correctly rounded (to nearest even, overflow to inf, NaN kept): exact", storage16_unsupported)
 register("matmul_f16in", _matmul_fp16, 1e-8,
          "precision fp16 against the golden of the inputs rounded to fp16 (round to nearest even, as "
          "Vulkan converts): products of two fp16 values are exact in fp32, sums are fp32 as in matmul: "
