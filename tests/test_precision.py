@@ -157,6 +157,17 @@ def coop_device(shapes=((16, 16, 16), (16, 8, 16)), shared=48 << 10, subgroup=32
     return types.SimpleNamespace(limits=lim, info=dev.info)
 
 
+def validated(spirv: bytes) -> str:
+    """spirv-val's verdict (asserted) on a SPIR-V module, and its disassembly."""
+    with tempfile.NamedTemporaryFile(suffix=".spv") as f:
+        f.write(spirv)
+        f.flush()
+        val = subprocess.run([os.path.join(BIN, "spirv-val"), "--target-env", "vulkan1.2", f.name],
+                             capture_output=True, text=True)
+        assert val.returncode == 0, val.stdout + val.stderr
+        return subprocess.run([os.path.join(BIN, "spirv-dis"), f.name], capture_output=True, text=True).stdout
+
+
 def test_the_coop_tiling_follows_the_drivers_shapes_and_shared_memory():
     assert coop_config(default_device()) is None                     # lavapipe: never chosen
     c = coop_config(coop_device())
@@ -174,13 +185,7 @@ def test_the_coop_kernel_compiles_for_every_form_and_passes_spirv_val():
         name, d, local, bm, bn = variant_defines(coop_device(), "coop", ta, tb, 1, 1, 1, 0, 0, 0)
         assert name.startswith("matmul_") and "_coop16x16x16_64" in name and (bm, bn) == (64, 64)
         spirv = compile_glsl(name, kernel_source("matmul.comp"), d, coopmat=True)
-        with tempfile.NamedTemporaryFile(suffix=".spv") as f:
-            f.write(spirv)
-            f.flush()
-            val = subprocess.run([os.path.join(BIN, "spirv-val"), "--target-env", "vulkan1.2", f.name],
-                                 capture_output=True, text=True)
-            assert val.returncode == 0, val.stdout + val.stderr
-            dis = subprocess.run([os.path.join(BIN, "spirv-dis"), f.name], capture_output=True, text=True).stdout
+        dis = validated(spirv)
         assert "OpCapability CooperativeMatrixKHR" in dis and "OpCooperativeMatrixMulAddKHR" in dis
         assert dis.count("OpCooperativeMatrixMulAddKHR") == 1     # the WT x WT loop unrolls in the driver
         blobs.add(spirv)
@@ -195,13 +200,8 @@ def test_the_quantized_coop_kernel_compiles_for_every_format_and_passes_spirv_va
     for form in ("nt", "nn"):
         name, d, local, bm, bn = qmatmul_variant(coop_device(), get_format(fmt), form, "coop", 1, 1)
         assert name == f"qmatmul_{form}_{fmt}_coop16x16x16_64" and local == (32, 1, 1)
-        spirv = compile_glsl(name, kernel_source("qmatmul.comp"), d, coopmat=True)
-        with tempfile.NamedTemporaryFile(suffix=".spv") as f:
-            f.write(spirv)
-            f.flush()
-            val = subprocess.run([os.path.join(BIN, "spirv-val"), "--target-env", "vulkan1.2", f.name],
-                                 capture_output=True, text=True)
-        assert val.returncode == 0, val.stdout + val.stderr
+        assert "OpCooperativeMatrixMulAddKHR" in validated(compile_glsl(name, kernel_source("qmatmul.comp"), d,
+                                                                        coopmat=True))
 
 
 def test_the_coop_kernel_needs_a_compiler_that_knows_it():

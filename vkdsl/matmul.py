@@ -59,6 +59,21 @@ class MatmulPlan:
         return 2 * self.M * self.N * self.K * self.batch
 
 
+FP16_VARIANTS = ("gpu16", "coop")
+
+
+def precision_variant(dev, precision: str, variant: str | None, what: str = "matmul") -> str:
+    """The variant a matmul of this precision runs: the one asked for, checked against the precision,
+    else the device's (fp16_choice at fp16, default_variant at fp32)."""
+    if check(precision, "matmul precision") == "fp16":
+        variant = variant or fp16_choice(dev)[0]
+        if variant not in FP16_VARIANTS:
+            raise PrecisionError(f"{what} variant {variant} is fp32; precision fp16 runs {' or '.join(FP16_VARIANTS)}")
+    elif variant in FP16_VARIANTS:
+        raise PrecisionError(f"{what} variant {variant} is fp16; ask for precision fp16")
+    return variant or default_variant(dev)
+
+
 def coop_config(dev) -> dict | None:
     """Cooperative-matrix tiling: the driver's fp16 shape nearest 16 x 16 x 16, WT x WT of them per
     workgroup (a 64-wide block of C where shared memory allows), or None without the extension."""
@@ -119,9 +134,6 @@ def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: in
     return lvp_defines(ta, tb, vec, sv)
 
 
-FP16_VARIANTS = ("gpu16", "coop")
-
-
 def lvp_defines(ta: bool, tb: bool, vec: int, sv: int):
     t = LVP_TILE
     d = {"TA": int(ta), "TB": int(tb), "VEC": vec, "SV": sv, "TM": t["TM"], "TN": t["TN"]}
@@ -141,13 +153,7 @@ def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False
     sa = M * K if batch_stride_a is None else int(batch_stride_a)
     sb = K * N if batch_stride_b is None else int(batch_stride_b)
     sc = M * N
-    if check(precision, "matmul precision") == "fp16":
-        variant = variant or fp16_choice(dev)[0]
-        if variant not in FP16_VARIANTS:
-            raise PrecisionError(f"matmul variant {variant} is fp32; precision fp16 runs {' or '.join(FP16_VARIANTS)}")
-    elif variant in FP16_VARIANTS:
-        raise PrecisionError(f"matmul variant {variant} is fp16; ask for precision fp16")
-    variant = variant or default_variant(dev)
+    variant = precision_variant(dev, precision, variant)
     name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc)
     push = PUSH.pack(M, N, K, sa, sb, sc)
     groups = (-(-N // bn), -(-M // bm), batch)

@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vkdsl.compiler import compile_glsl, kernel_source
-from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, default_variant, gpu_config, grid_for,
+from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, gpu_config, grid_for,
                                lvp_widths, widest)
-from vkdsl.matmul import FP16_VARIANTS, coop_config, fp16_choice
 from vkdsl.matmul import PUSH as MATMUL_PUSH
-from vkdsl.precision import PrecisionError, check
+from vkdsl.matmul import coop_config, precision_variant
 
 from .formats import FORMATS, NF4_GROUP, Format, array_nbytes, check_shape, get_format
 
@@ -82,13 +81,7 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     rows, cols, red = (M, N, K) if form == "nt" else (M, K, N)
     sx = rows * red if batch_stride_x is None else int(batch_stride_x)
     sc = rows * cols
-    if check(precision, "matmul precision") == "fp16":
-        variant = variant or fp16_choice(dev)[0]
-        if variant not in FP16_VARIANTS:
-            raise PrecisionError(f"qmatmul variant {variant} is fp32; precision fp16 runs {' or '.join(FP16_VARIANTS)}")
-    elif variant in FP16_VARIANTS:
-        raise PrecisionError(f"qmatmul variant {variant} is fp16; ask for precision fp16")
-    variant = variant or default_variant(dev)
+    variant = precision_variant(dev, precision, variant, "qmatmul")
     if form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0:
         # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
         name = f"qmatvec_{f.name}"
