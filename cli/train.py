@@ -40,13 +40,20 @@ def _option(name: str) -> click.Option:
                         metavar=kind.upper().replace("-", "_") if kind else None, help=help_)
 
 
+FP16_ROWS = ("matmul_f16in", "qmatmul_f16in")
+
+
+def verify_cases(precision: str) -> list:
+    """The golden cases of the kernels a run uses: the fp16 matmul rows only at precision fp16."""
+    return [c for m in VERIFY_MATCH for c in golden_cases(m) if precision == "fp16" or c[0]["op"] not in FP16_ROWS]
+
+
 def _verify(rep, precision):
     from vkdsl.verify import verify
     from .verify import load_op_rows
     load_op_rows()
     t0 = time.perf_counter()
-    cases = [c for m in VERIFY_MATCH for c in golden_cases(m)
-             if precision == "fp16" or c[0]["op"] != "matmul_f16in"]     # the fp16 rows only when used
+    cases = verify_cases(precision)
     rows = verify(cases, repeat_warm=False)[0]
     bad = [r for r in rows if not r.passed]
     rep.say(f"verify: {len(rows) - len(bad)}/{len(rows)} kernel checks pass on this device "

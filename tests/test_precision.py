@@ -245,3 +245,32 @@ def test_a_short_lora_run_at_fp16_learns_and_tracks_fp32(tmp_path):
     cfg = tiny_cfg((tiny, tr, he, pr), precision="fp16")
     with pytest.raises(ValueError, match=r"precision fp16 asked for, but matmuls trace at fp32"):
         train(cfg, tmp_path / "mismatch", evidence_at_end=False)
+
+
+def test_vkdsl_train_at_fp16_says_which_kernel_and_verifies_the_fp16_rows(tmp_path, capsys):
+    import json
+    from fixtures.train_data import tiny_setup
+    from vkdsl.cli.train import main, verify_cases
+    fp16_ops = {"matmul_f16in", "qmatmul_f16in"}
+    assert not any(c["op"] in fp16_ops for c, _ in verify_cases("fp32"))
+    at16 = verify_cases("fp16")
+    assert len(at16) == len(verify_cases("fp32")) + 16 and {c["op"] for c, _ in at16} >= fp16_ops
+    tm, tr, he, pr = tiny_setup(tmp_path / "setup")
+    out = tmp_path / "run"
+    rc = main(["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
+               "--labels", "low,medium,high", "--max-len", "64", "--bucket", "16", "--rank", "4", "--steps", "2",
+               "--warmup", "1", "--verify", "--out", str(out), "--precision", "fp16", "--objective", "sft"])
+    assert rc in (0, 2)                                     # two steps need not pass the accuracy gates
+    text = capsys.readouterr().out
+    assert "precision fp16: matmul variant gpu16, fp16 shared-memory tiles" in text
+    from vkdsl.cli.verify import load_op_rows
+    from vkdsl.verify import verify
+    load_op_rows()
+    rows = len(verify(at16, repeat_warm=False)[0])
+    assert f"verify: {rows}/{rows} kernel checks pass" in text             # the fp16 rows among them
+    assert json.loads((out / "config.json").read_text())["precision"] == "fp16"
+    p = subprocess.run([os.path.join(BIN, "vkdsl-train"), "--precision", "fp16", "--profile", "minimal",
+                        "--steps", "1", "--warmup", "0", "--out", str(tmp_path / "refused")], capture_output=True,
+                       text=True)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert "matmul precision fp16 needs shaderFloat16 or cooperative matrices" in p.stderr.strip().splitlines()[-1]
