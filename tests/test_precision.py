@@ -274,3 +274,15 @@ def test_vkdsl_train_at_fp16_says_which_kernel_and_verifies_the_fp16_rows(tmp_pa
                        text=True)
     assert p.returncode == 1 and "Traceback" not in p.stderr
     assert "matmul precision fp16 needs shaderFloat16 or cooperative matrices" in p.stderr.strip().splitlines()[-1]
+
+
+def test_a_run_resumes_only_at_its_own_precision(tmp_path):
+    from fixtures.train_data import tiny_cfg, tiny_setup
+    from vkdsl.train.checkpoint import CheckpointError
+    from vkdsl.train.trainer import run as train
+    setup = tiny_setup(tmp_path / "setup")
+    train(tiny_cfg(setup, steps=2, checkpoint_every=1), tmp_path / "run", evidence_at_end=False)
+    cfg16 = tiny_cfg(setup, steps=3, checkpoint_every=1, precision="fp16")
+    with matmul_precision("fp16"), pytest.raises(CheckpointError, match=r"refusing to resume: the run's matmuls were "
+                                                                        r"at precision fp32, this config asks for fp16"):
+        train(cfg16, tmp_path / "run", resume=tmp_path / "run", evidence_at_end=False)

@@ -113,6 +113,9 @@ def check_identity(meta, identity):
             what = "base model file" if k == "base_sha256" else "tokenizer"
             raise CheckpointError(f"refusing to resume: the {what} differs from the run's "
                                   f"({k} {str(meta.get(k))[:12]}... vs {identity[k][:12]}...)")
+    if meta.get("precision", "fp32") != identity.get("precision", "fp32"):
+        raise CheckpointError(f"refusing to resume: the run's matmuls were at precision {meta.get('precision', 'fp32')}, "
+                              f"this config asks for {identity.get('precision', 'fp32')}")
     if meta.get("quant", "keep") != identity.get("quant", "keep"):
         raise CheckpointError(f"refusing to resume: the run trained on the base stored as quant "
                               f"{meta.get('quant', 'keep')!r}, this config asks for {identity.get('quant', 'keep')!r}")

@@ -61,6 +61,7 @@ class Run:
             self.model = Llama(self.ckpt, quant=cfg.quant)
             self.identity = {"base_sha256": checkpoint.sha256_file(path),
                              "tokenizer_sha256": checkpoint.tokenizer_hash(self.tok), "quant": cfg.quant}
+        self.identity = {**self.identity, "precision": cfg.precision}     # a resume must compute as the run did
         self.names = inject(self.model, cfg)
         self.params = params_of(self.model, self.names)
         self.r.say(f"model {path} loaded in {time.perf_counter() - t0:.1f}s")
