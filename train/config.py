@@ -22,7 +22,7 @@ class TrainConfig:
     # model and data
     model: str = ""                                  # "" = the default SmolLM2 GGUF
     quant: str = "keep"                              # the frozen base on the device: keep, none, int4, nf4
-    precision: str = "fp32"                          # fp32 matmuls, or fp16 inputs with fp32 sums (vkdsl.precision)
+    precision: str = "fp32"                          # matmuls: fp32, or fp16 inputs with fp32 sums (vkdsl.precision)
     train_file: str = str(DATA / "routing_train.jsonl")
     heldout_file: str = str(DATA / "routing_heldout.jsonl")
     preservation_file: str = str(DATA / "preservation.jsonl")
@@ -162,8 +162,8 @@ HELP = {
     "model": "GGUF file or Hugging Face folder ('' = the installed SmolLM2-135M-Instruct)",
     "quant": "how the frozen base is stored on the device: keep (the file's own blocks, e.g. Q4_1), none "
              "(fp32), int4 or nf4 (packed on load, group 64)",
-    "precision": "fp32 matmuls, or fp16: the fp32-weight matmuls (adapters, fp32 bases) take fp16 inputs with "
-                 "fp32 sums, on cooperative matrices where the device has them (quantized weights stay as they are)",
+    "precision": "fp32 matmuls, or fp16: every matmul (adapters, fp32 and quantized bases) takes fp16 inputs "
+                 "with fp32 sums, on cooperative matrices where the device has them (vkdsl doctor says which)",
     "train_file": "SFT rows, JSONL: prompt/completion (optionally system) or messages",
     "heldout_file": "held-out rows (same format) for accuracy and loss evidence",
     "preservation_file": "JSONL rows of plain text whose loss must not rise (preservation)",
