@@ -7,8 +7,10 @@ change under it later, and a matmul's gradients use the precision of the forward
     with vkdsl.matmul_precision("fp16"):
         y = x @ w                       # realized by an fp16-input kernel (vkdsl.matmul)
 
-$VKDSL_PRECISION sets the process default (`--precision` on vkdsl-train and `bench matmul`).
-Elementwise ops, reductions and the quantized-weight kernels are fp32 under both."""
+$VKDSL_PRECISION sets the process default; vkdsl-train's `precision` setting and `vkdsl bench
+matmul --precision` choose for their own run.
+Both the fp32-weight matmul and the quantized-weight ones follow it; elementwise ops, reductions
+and attention's fused kernels are fp32 under both."""
 from __future__ import annotations
 
 import contextlib
