@@ -4,7 +4,7 @@ to fp16, products and sums in fp32.
 References: golden/reference.py's exactly summed float64 matmul of the inputs rounded by numpy
 (round to nearest even, as Vulkan converts). Tolerances: against that reference NMSE <= 1e-9 (fp32
 sums over K <= 1023: ~K * eps32^2 = 1.5e-11), which a kernel that skipped the rounding misses by
-two orders (~2u^2/3 = 1.6e-7 for u = 2^-11); against the unrounded float64 product NMSE <= 1e-6
+50x and more (~u^2/3 per operand for u = 2^-11: 4.8e-8 and up on the verify rows); against the unrounded float64 product NMSE <= 1e-6
 (the rounding's own ~1.6e-7 with margin). The cooperative-matrix kernel can not run here (lavapipe
 has no VK_KHR_cooperative_matrix): it is compiled by glslang and checked by spirv-val, and the
 device-side proof is `vkdsl verify` on a device that has the extension."""
