@@ -103,6 +103,14 @@ def fp16_choice(dev) -> tuple[str, str]:
                          f"has neither: use precision fp32")
 
 
+def fp16_variants(dev) -> list[str]:
+    """The precision-fp16 variant this device runs, as a list: [] where it runs none (for bundles)."""
+    try:
+        return [fp16_choice(dev)[0]]
+    except PrecisionError:
+        return []
+
+
 def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
                     stride_a: int, stride_b: int, stride_c: int):
     """(kernel name, defines, local size, rows and columns per workgroup) of one variant."""
@@ -184,10 +192,7 @@ def builtin_variants(dev) -> list[str]:
     for ta, tb in FORMS:
         variants = [lvp_defines(ta, tb, vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
         variants.append(variant_defines(dev, "gpu", ta, tb, 1, 1, 1, 0, 0, 0))
-        try:
-            variants.append(variant_defines(dev, fp16_choice(dev)[0], ta, tb, 1, 1, 1, 0, 0, 0))
-        except PrecisionError:
-            pass                 # the device runs no fp16 matmul
+        variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in fp16_variants(dev)]
         for name, d, _, _, _ in variants:
             compile_glsl(name, kernel_source("matmul.comp"), d, coopmat="VARIANT_COOP" in d)
             names.append(name)

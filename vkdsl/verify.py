@@ -13,8 +13,8 @@ from typing import Callable
 
 import numpy as np
 
-from .matmul import fp16_choice
-from .precision import PrecisionError, matmul_precision
+from .matmul import fp16_variants
+from .precision import matmul_precision
 from .tensor import Tensor
 
 EPS32 = 2.0 ** -23
@@ -76,11 +76,7 @@ def _matmul_fp16(i, p):
 
 def fp16_unsupported(dev) -> str:
     """Why this device runs no precision-fp16 matmul ('' when it does): the fp16 rows' applicability."""
-    try:
-        fp16_choice(dev)
-        return ""
-    except PrecisionError:
-        return "no shaderFloat16 or cooperative matrices"
+    return "" if fp16_variants(dev) else "no shaderFloat16 or cooperative matrices"
 
 
 def storage16_unsupported(dev) -> str:

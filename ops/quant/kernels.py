@@ -12,8 +12,7 @@ from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, gpu_config, grid_for,
                                lvp_widths, widest)
 from vkdsl.matmul import PUSH as MATMUL_PUSH
-from vkdsl.matmul import coop_config, fp16_choice, precision_variant
-from vkdsl.precision import PrecisionError
+from vkdsl.matmul import coop_config, fp16_variants, precision_variant
 
 from .formats import FORMATS, NF4_GROUP, Format, array_nbytes, check_shape, get_format
 
@@ -176,13 +175,9 @@ def record_quantize(rec, plan: QuantPlan, W, *qbuffers, scratch=None):
 def builtin_variants(dev) -> list[str]:
     """Compile (to SPIR-V, no pipelines) every quantized-weight kernel this device can pick, for bundles."""
     jobs = []
-    try:
-        fp16 = [fp16_choice(dev)[0]]         # the precision-fp16 kernel too, where the device has one
-    except PrecisionError:
-        fp16 = []
     for f in FORMATS.values():
         for form in ("nt", "nn"):
-            variants = [qmatmul_variant(dev, f, form, v, 1, 1) for v in ["gpu"] + fp16]
+            variants = [qmatmul_variant(dev, f, form, v, 1, 1) for v in ["gpu"] + fp16_variants(dev)]
             variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
             jobs += [("qmatmul.comp", name, d) for name, d, _, _, _ in variants]
         jobs.append(("quant_dequant.comp", f"dequant_{f.name}", f.defines))
