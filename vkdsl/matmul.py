@@ -130,8 +130,8 @@ def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: in
         if cfg is None:
             raise PrecisionError(f"matmul variant coop needs VK_KHR_cooperative_matrix with an fp16 shape, "
                                  f"which {dev.info.describe()} lacks")
-        d = dict(base, VARIANT_COOP=1, VEC=1, **{k: cfg[k] for k in ("CM", "CN", "CK", "WT", "BK")})
         bm, bn = cfg["CM"] * cfg["WT"], cfg["CN"] * cfg["WT"]
+        d = dict(base, VARIANT_COOP=1, VEC=1, BM=bm, BN=bn, **{k: cfg[k] for k in ("CM", "CN", "CK", "WT", "BK")})
         return f"matmul_{form}_coop{cfg['CM']}x{cfg['CN']}x{cfg['CK']}_{bm}", d, cfg["LOCAL"], bm, bn
     if variant != "lvp":
         raise ValueError(f"unknown matmul variant {variant!r} (lvp, gpu, gpu16 or coop)")

@@ -56,8 +56,8 @@ def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int):
         return f"qmatmul_{form}_{f.name}_gpu{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
     if variant == "coop":
         c = coop_config(dev)
-        d = dict(f.defines, TB=tb, VARIANT_COOP=1, VEC=1, **{k: c[k] for k in ("CM", "CN", "CK", "WT", "BK")})
         bm, bn = c["CM"] * c["WT"], c["CN"] * c["WT"]
+        d = dict(f.defines, TB=tb, VARIANT_COOP=1, VEC=1, BM=bm, BN=bn, **{k: c[k] for k in ("CM", "CN", "CK", "WT", "BK")})
         return f"qmatmul_{form}_{f.name}_coop{c['CM']}x{c['CN']}x{c['CK']}_{bm}", d, c["LOCAL"], bm, bn
     if variant != "lvp":
         raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")

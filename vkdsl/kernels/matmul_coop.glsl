@@ -6,8 +6,7 @@
 // The block of C goes through shared memory to bounds-checked stores. The workgroup is sized as
 // one subgroup of the device's reported size; if the driver runs narrower subgroups, subgroup 0
 // computes and the others only help to load, so the result does not depend on the lane count.
-#define BM (CM * WT)
-#define BN (CN * WT)
+// BM = CM * WT and BN = CN * WT come with the defines (vkdsl.matmul), like the other variants'
 shared float16_t sa[BM * BK];       // op(A) slice, row-major m x k
 shared float16_t sb[BK * BN];       // op(B) slice, row-major k x n
 shared float sc[BM * BN];           // the block of C
@@ -27,20 +26,12 @@ void main() {
 
     for (uint k0 = 0; k0 < pc.K; k0 += BK) {
         for (uint e = tid; e < BM * BK; e += nthreads) {
-#if TA == 0
-            const uint r = e / BK, kk = e % BK;
-#else
-            const uint kk = e / BM, r = e % BM;
-#endif
-            sa[r * BK + kk] = float16_t(load_a(a0, m0 + r, k0 + kk));
+            const uvec2 s = a_slot(e);
+            sa[s.x * BK + s.y] = float16_t(load_a(a0, m0 + s.x, k0 + s.y));
         }
         for (uint e = tid; e < BK * BN; e += nthreads) {
-#if TB == 0
-            const uint kk = e / BN, c = e % BN;
-#else
-            const uint c = e / BK, kk = e % BK;
-#endif
-            sb[kk * BN + c] = float16_t(load_b(b0, k0 + kk, n0 + c));
+            const uvec2 s = b_slot(e);
+            sb[s.y * BN + s.x] = float16_t(load_b(b0, k0 + s.y, n0 + s.x));
         }
         barrier();
         if (computes) {

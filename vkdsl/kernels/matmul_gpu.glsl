@@ -26,22 +26,13 @@ void main() {
     [[unroll]] for (int i = 0; i < TM; i++) [[unroll]] for (int j = 0; j < TN; j++) acc[i][j] = 0.0;
 
     for (uint k0 = 0; k0 < pc.K; k0 += BK) {
-        // consecutive threads read consecutive addresses of the stored layout
         for (uint e = tid; e < BM * BK; e += nthreads) {
-#if TA == 0
-            const uint r = e / BK, kk = e % BK;
-#else
-            const uint kk = e / BM, r = e % BM;
-#endif
-            sa[kk][r] = TILE(load_a(a0, m0 + r, k0 + kk));
+            const uvec2 s = a_slot(e);
+            sa[s.y][s.x] = TILE(load_a(a0, m0 + s.x, k0 + s.y));
         }
         for (uint e = tid; e < BN * BK; e += nthreads) {
-#if TB == 0
-            const uint kk = e / BN, c = e % BN;
-#else
-            const uint c = e / BK, kk = e % BK;
-#endif
-            sb[kk][c] = TILE(load_b(b0, k0 + kk, n0 + c));
+            const uvec2 s = b_slot(e);
+            sb[s.y][s.x] = TILE(load_b(b0, k0 + s.y, n0 + s.x));
         }
         barrier();
         [[unroll]] for (int kk = 0; kk < BK; kk++) {
