@@ -25,6 +25,8 @@ class Commands(click.Group):
 
     def invoke(self, ctx):
         try:
+            from vkdsl.precision import current
+            current()                       # a bad $VKDSL_PRECISION: one line before any work
             return super().invoke(ctx)
         except USER_ERRORS as e:
             if os.environ.get("VKDSL_DEBUG") == "1":

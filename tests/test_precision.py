@@ -100,6 +100,9 @@ def test_precision_names_are_checked_in_one_line():
     p = subprocess.run([sys.executable, "-c", "import vkdsl.precision as p; p.current()"], capture_output=True,
                        text=True, env=dict(os.environ, VKDSL_PRECISION="half"))
     assert p.returncode != 0 and "VKDSL_PRECISION 'half' is not known" in p.stderr
+    p = run(["verify", "--match", "add"], env=dict(os.environ, VKDSL_PRECISION="half"), check=False)
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == \
+        "Error: VKDSL_PRECISION 'half' is not known; expected one of fp32, fp16"
     assert current() == "fp32"
 
 
