@@ -215,7 +215,8 @@ def test_two_ranks_train_dpo_as_one_process_with_their_global_batch(setup):
     assert sorted(a) == sorted(b)
     worst = max(float(np.max(np.abs(a[k] - b[k])) / max(float(np.max(np.abs(a[k]))), 1e-30)) for k in a)
     print(f"DPO, two ranks vs one process: max relative difference {worst:.3e}")
-    assert worst <= 1e-5, f"max relative difference {worst:.3e}"
+    # float32 sums in another order: 5.3e-6 measured for plain DPO, 1.21e-5 with the default NLL on chosen
+    assert worst <= 2e-5, f"max relative difference {worst:.3e}"
     assert any(float(np.max(np.abs(a[k]))) > 0 for k in a if "lora_B" in k)        # DPO moved the adapter
     recs = {d: [e for e in map(json.loads, (tmp / d / "metrics.jsonl").read_text().splitlines())
                 if e.get("event") in ("dpo_step", "dpo_evidence")] for d in ("dpo1", "dpo2")}

@@ -88,3 +88,33 @@ def test_bench_train_says_which_case_does_not_fit_and_frees_each_case(setup, mon
     rows = bench_sft(model, w, B=2, T=16)
     assert "error" not in rows[0] and rows[1]["error"].startswith("does not fit: ")
     assert "MiB left of a" in rows[1]["error"] and dev.allocated_bytes == before
+
+
+def test_bench_train_times_the_trainers_own_step(setup, monkeypatch):
+    # the bench must run the objects vkdsl-train runs: the loop's one_step over the Stepper's
+    # gradient (SFT) and over DpoObjective (DPO), with the loop's clip + AdamW + write-back
+    from vkdsl.train import bench, dpo, loop
+    seen = []
+
+    def spy(cls_or_mod, name):
+        real = getattr(cls_or_mod, name)
+
+        def wrapped(*a, **k):
+            seen.append((name, type(a[0]).__name__ if name == "gradient" else ""))
+            return real(*a, **k)
+        monkeypatch.setattr(cls_or_mod, name, wrapped)
+    spy(Stepper, "gradient")
+    spy(dpo.DpoObjective, "gradient")
+    spy(loop, "apply")          # the name the loop calls
+    ck, _ = load_model_files(setup[0].gguf_path)
+    model = Llama(ck)
+    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
+    rows = bench.bench_sft(model, w, B=2, T=16)
+    assert [r["case"] for r in rows[:2]] == ["sft 2x16, adapters on q,v (trainer step)",
+                                             "sft 2x16, adapters on all seven (trainer step)"]
+    assert seen.count(("gradient", "Stepper")) == 2 * 3 and seen.count(("apply", "")) == 2 * 3   # warm-up + best of 2
+    # the trainer's step moves the adapters: the loss of the same batch falls from the first step on
+    assert rows[0]["loss_last"] < rows[0]["loss_first"]
+    seen.clear()
+    d = bench.bench_dpo(model, P=2, T_prompt=8, T_resp=8)
+    assert seen == [("gradient", "DpoObjective"), ("apply", "")] * 3 and d[0]["pairs_per_s"] > 0

@@ -110,9 +110,15 @@ def test_final_evidence_carries_every_surface(fitted):
     assert 0 <= f["calibration"]["ece"] <= 1 and len(f["calibration"]["bins"]) == 10
     assert f["format_n"] == len(fitted.held.cand_idx)
     assert len(f["format_failures"]) == min(3, round((1 - f["format_valid"]) * f["format_n"]))
-    worst = f["slices"]["worst"]
-    accs = [v["accuracy"] for v in f["slices"]["categories"].values() if v["accuracy"] is not None]
-    assert f["slices"]["categories"][worst]["accuracy"] == min(accs)
+    # per-category accuracy recomputed from the decisions and the rows' own labels
+    labels = [x.strip() for x in fitted.cfg.labels]
+    rows = [fitted.heldout[i] for i in fitted.held.cand_idx]
+    hits = {}
+    for row, d in zip(rows, f["decisions"]):
+        hits.setdefault(row.category or "-", []).append(labels[d] == row.completion.strip())
+    for c, h in hits.items():
+        assert f["slices"]["categories"][c]["accuracy"] == pytest.approx(np.mean(h)), c
+    assert np.mean(hits[f["slices"]["worst"]]) == min(np.mean(h) for h in hits.values())
     assert f["stability_fp32"]["agreement"] == 1.0            # Q4_1/Q8_0/F16 vs fp32 on the fit rows
     assert f["stability_checkpoint"]["step"] == "base"
     names = [g[0] for g in evidence.gates(f, fitted.first_loss, fitted.cfg)]

@@ -10,7 +10,7 @@ from vkdsl.models import load_model_files
 from vkdsl.train import config as C
 from vkdsl.train.data import (IGNORE, DataError, Example, Sampler, check_batches, collate, encode_row,
                               load_examples)
-from vkdsl.train.schedule import checkpoints, lr_at
+from vkdsl.train.schedule import checkpoints, sft_lr as lr_at
 from fixtures.synthetic import build_tiny
 
 
@@ -134,7 +134,7 @@ def test_collate_pads_to_bucket_and_masks(tok):
 def test_preflight_names_unsupervised_rows():
     rows = [Example([1, 2], [2, IGNORE], "", "t.jsonl:1"), Example([1, 2], [IGNORE, IGNORE], "", "t.jsonl:2")]
     with pytest.raises(DataError, match=r"t\.jsonl:2"):
-        check_batches(rows, 2)
+        check_batches(rows)
 
 
 def test_sampler_state_roundtrip():

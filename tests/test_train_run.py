@@ -34,11 +34,44 @@ def test_resume_matches_uninterrupted(setup, tmp_path):
     assert part.step == 3
 
 
+def test_a_kill_during_dpo_resumes_from_its_own_last_step_bit_identically(setup, tmp_path):
+    from vkdsl.train import loop
+    from vkdsl.train.stages import dpo_stage
+    prefs = tiny_prefs(tmp_path / "prefs.jsonl")
+    cfg = tiny_cfg(setup, steps=3, checkpoint_every=2, objective="sft+dpo", dpo_train_file=prefs,
+                   dpo_heldout_file=prefs, dpo_steps=5, dpo_batch=2, dpo_lr=5e-3)
+
+    def whole(d, resume=None, stop_after=None):
+        r = run(cfg, d, resume=resume)
+        ev = dpo_stage(r, stop_after=stop_after)
+        return r, ev
+    full, full_ev = whole(tmp_path / "full")
+    with pytest.raises(loop.Interrupted):
+        whole(tmp_path / "part", stop_after=3)                   # "killed" after DPO step 3
+    assert checkpoint.load(tmp_path / "part", checkpoint.DPO)[0]["step"] == 2
+    resumed, resumed_ev = whole(tmp_path / "part", resume=tmp_path / "part")
+    log = (tmp_path / "part" / "train.log").read_text()
+    assert "resumed DPO from" in log and "at DPO step 2" in log
+    assert "SFT evidence at step 3 as the DPO checkpoint recorded it" in log
+    for a, b in zip(adapter(full), adapter(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(adapter(full)[1], np.load(tmp_path / "full" / "adapter.npz")[f"{full.names[0]}.lora_B"])
+    assert resumed_ev["heldout"] == full_ev["heldout"]
+    assert [g[:2] for g in resumed.gates] == [g[:2] for g in full.gates]
+    # the resumed records: every DPO step once, the ones after the checkpoint recomputed
+    steps = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    dpo_steps = [e["step"] - cfg.steps for e in steps if e.get("event") == "dpo_step"]
+    assert dpo_steps == [1, 2, 3, 4, 5]
+    full_losses = [e["dpo_loss"] for e in map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines())
+                   if e.get("event") == "dpo_step"]
+    assert [e["dpo_loss"] for e in steps if e.get("event") == "dpo_step"] == full_losses
+
+
 def test_nan_loss_stops_and_keeps_checkpoint(setup, tmp_path):
     cfg = tiny_cfg(setup, steps=6, checkpoint_every=1, lr=1e38, warmup=0, clip=0.0)
-    with pytest.raises(TrainingStopped, match=r"non-finite loss .* at step (\d)") as e:
+    with pytest.raises(TrainingStopped, match=r"sft step (\d+): non-finite loss .*before applying it") as e:
         run(cfg, tmp_path / "nan", evidence_at_end=False)
-    bad = int(str(e.value).split("at step ")[1].split(":")[0])
+    bad = int(str(e.value).split("sft step ")[1].split(":")[0])
     meta = checkpoint.load(tmp_path / "nan")[0]
     assert meta["step"] == bad - 1 >= 1
     _, params, _ = checkpoint.load(tmp_path / "nan")

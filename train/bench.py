@@ -1,73 +1,91 @@
-"""`vkdsl bench train`: SFT-step (forward + backward + optimizer) tokens/s on SmolLM2-135M at
-batch 4 x 256, adapters on q and v and on all seven projections, and peak device memory;
-`--objective dpo`: pairs/s and tokens/s of a DPO step (4 pairs x 64 response tokens), the
-reference precomputed once. Beside it, in the same process, the numpy float32 forward of the
-same model on the same tokens (no numpy backward exists to compare with)."""
+"""`vkdsl bench train`: the trainer's own optimizer step, timed — train.loop.one_step over the
+objectives vkdsl-train builds (trainer.SftObjective / the Stepper, dpo.DpoObjective), with the host
+AdamW, clipping and write-back included. Rows: SFT on SmolLM2-135M at batch 4 x 256 (every position
+supervised, adapters on q,v and on all seven projections of every layer, TMKL off), one step of the
+default job as vkdsl-train runs it (its rows, adapters, TMKL, frozen prefix), and with
+`--objective dpo` a DPO step of 4 pairs x 64 response tokens (reference precomputed). Beside them,
+in the same process, the numpy float32 forward of the same tokens (no numpy backward exists)."""
 from __future__ import annotations
 
 import gc
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-import vkdsl
-from vkdsl.autograd import grad
 from vkdsl.models import load_model_files
 from vkdsl.models.bench import numpy_forward
 from vkdsl.models.default import default_model_path
 from vkdsl.models.llama import Llama
-from vkdsl.ops import losses
-from vkdsl.ops.lora import LoRA
-from vkdsl.ops.optim import AdamW
 from vkdsl.runtime import default_device
 from vkdsl.runtime.errors import DeviceMemoryError
 
-from .step import head_rows
+from . import loop
+from .config import TrainConfig
+from .distributed import Single
+from .inject import inject, params_of
+from .prefix import FrozenPrefix
+from .step import Stepper
 
 ALL = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+BENCH = dict(layers="", rank=8, alpha=16.0, tmkl=0.0, pack=False, verify=False, quiet=True)
 
 
-def _inject(model, modules, r=8, alpha=16.0):
-    model.lora.clear()
-    c = model.cfg
-    for i in range(c.n_layers):
-        for mod in modules:
-            out_f, in_f = model.linear[f"blk.{i}.{mod}"].shape
-            model.lora[f"blk.{i}.{mod}"] = LoRA.init(in_f, out_f, r, alpha, seed=i, name=mod)
-    return [p for lo in model.lora.values() for p in lo.params()]
+class FixedBatch:
+    """An order that serves the same batch every step (the bench shapes' random tokens)."""
+
+    def next(self):
+        return [0]
 
 
-def _sft_step(model, params):
-    opt = AdamW(params)
+class StepperObjective:
+    """The SFT objective's gradient (Stepper.gradient, as trainer.SftObjective calls it) on one fixed
+    micro-batch, so loop.one_step times exactly the trainer's step at the bench shapes."""
+    stage, finite, steps = "sft", ("loss", "tmkl"), 1 << 30
 
-    @vkdsl.trace
-    def step(ids, labels, scalars):
-        B, T = ids.shape
-        h = model.forward(ids, hidden_only=True).reshape(B * T, model.cfg.dim)
-        # the head fused with the loss in row chunks, as the trainer's step (train.step.head_rows)
-        lp, = head_rows(model, h, lambda lg, lab: losses.token_logprobs(lg, lab)[0], labels.reshape(B * T))
-        loss = -lp.sum() * (1.0 / (B * T))
-        opt.step(grad(loss, params), scalars)
-        return loss
-    return step, opt
+    def __init__(self, stepper, micro, lr=1e-4):
+        self.stepper, self.micro, self.lr_value = stepper, micro, lr
+        self.order, self.clip = FixedBatch(), stepper.cfg.clip
 
+    def lr(self, step):
+        return self.lr_value
 
-def _free(model, step):
-    """Drop a case's programs and adapters before the next case is built (their buffers go with the
-    last reference): two alive at once exceed a 2 GiB heap such as lavapipe's."""
-    step.programs.clear()
-    model.lora.clear()
-    gc.collect()
+    def gradient(self, idx, step):
+        return self.stepper.gradient(self.micro)
 
 
 def _time(fn, reps=2):
-    fn()
+    fn()                                # compiles
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def _free(model, *traced):
+    """Drop a case's programs and adapters before the next case is built (their buffers go with the
+    last reference): two alive at once exceed a 2 GiB heap such as lavapipe's."""
+    for t in traced:
+        t.programs.clear()
+    model.lora.clear()
+    gc.collect()
+
+
+def sft_stepper(model, targets, **kw):
+    cfg = TrainConfig(**{**BENCH, "targets": list(targets), **kw}).validate()
+    names = inject(model, cfg)
+    params = params_of(model, names)
+    return Stepper(model, params, cfg, FrozenPrefix(model, 0, 0)), params
+
+
+def time_stepper(model, stepper, params, micro, reps=2):
+    """(best seconds, records) of loop.one_step on the Stepper's objective."""
+    obj, recs = StepperObjective(stepper, micro), []
+    t = _time(lambda: recs.append(loop.one_step(obj, params, stepper.opt, 0)), reps)
+    return t, recs
 
 
 def bench_sft(model, w, B=4, T=256):
@@ -79,23 +97,22 @@ def bench_sft(model, w, B=4, T=256):
     for name, mods in (("q,v", ("attn_q", "attn_v")), ("all seven", ALL)):
         dev = default_device()
         dev.peak_bytes = dev.allocated_bytes            # each case reports its own peak
-        params = _inject(model, mods)
-        step, opt = _sft_step(model, params)
-        losses_seen = []
+        st, params = sft_stepper(model, mods)
+        case = f"sft {B}x{T}, adapters on {name} (trainer step)"
         try:
-            t = _time(lambda: losses_seen.append(float(step(ids, labels, opt.scalars(1e-4)))))
+            t, recs = time_stepper(model, st, params, [(ids, labels)])
         except DeviceMemoryError as e:             # said as a row: the other cases still run
-            rows.append({"case": f"sft {B}x{T}, adapters on {name}", "error": f"does not fit: {e}"})
-            _free(model, step)
+            rows.append({"case": case, "error": f"does not fit: {e}"})
+            _free(model, st.fn, st.fn_packed)
             continue
-        prog = step.program(ids, labels, opt.scalars(1e-4))
+        prog = st.fn.program(ids.astype(np.int32), *_select_args(labels))
         prog_bytes = sum(b.nbytes for b in {id(b): b for b in prog.bufs.values()}.values())
-        rows.append({"case": f"sft {B}x{T}, adapters on {name}", "trainable": sum(p.size for p in params),
-                     "step_s": t, "tokens_per_s": B * T / t, "loss_first": losses_seen[0], "loss_last": losses_seen[-1],
-                     "program_bytes": prog_bytes, "device_peak_bytes": dev.peak_bytes})
+        rows.append({"case": case, "trainable": sum(p.size for p in params), "step_s": t, "tokens_per_s": B * T / t,
+                     "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"], "program_bytes": prog_bytes,
+                     "device_peak_bytes": dev.peak_bytes})
         prog.release()
         del prog
-        _free(model, step)
+        _free(model, st.fn, st.fn_packed)
     t0 = time.perf_counter()
     for b in range(B):
         numpy_forward(w, model.cfg, ids[b])
@@ -104,17 +121,48 @@ def bench_sft(model, w, B=4, T=256):
     return rows
 
 
+def _select_args(labels):
+    from .step import select
+    pos, lab = select(labels)
+    return pos, lab, np.ones(1, np.float32)
+
+
+def default_job_run(path=None):
+    """The Run vkdsl-train builds for its default job (no training), in a scratch folder."""
+    from .progress import Reporter
+    from .trainer import Run
+    cfg = TrainConfig(verify=False, quiet=True, model=path or "").validate()
+    return Run(cfg, Path(tempfile.mkdtemp(prefix="vkdsl-bench-")), Reporter(None, quiet=True))
+
+
+def bench_default_job(path=None, steps=3):
+    """Steps 1..steps of the default job through loop.one_step on its SftObjective; step 1 compiles,
+    the best of the others is reported (each takes the next batch, as training does)."""
+    from .trainer import SftObjective
+    r = default_job_run(path)
+    obj = SftObjective(r)
+    times, tokens = [], []
+    for s in range(steps):
+        t = time.perf_counter()
+        rec = loop.one_step(obj, r.params, r.stepper.opt, s)
+        times.append(time.perf_counter() - t)
+        tokens.append(rec["computed"])
+    k = int(np.argmin(times[1:])) + 1
+    return [{"case": f"default job: one step ({r.cfg.batch_size} rows, TMKL {r.cfg.tmkl}, layers {r.cfg.layers}, "
+                     f"best of steps 2-{steps})", "step_s": times[k], "tokens_per_s": tokens[k] / times[k],
+             "first_step_s": times[0]}]
+
+
 def quick_sft(B=1, T=64, path=None) -> dict:
-    """A short SFT-step benchmark for `vkdsl doctor`: the default model, adapters on q,v, B x T
-    tokens, best of 2 after a warm-up step, beside the numpy fp32 forward of the same tokens."""
+    """A short SFT-step benchmark for `vkdsl doctor`: the trainer's step on the default model,
+    adapters on q,v, B x T tokens, best of 2 after a warm-up step, beside the numpy fp32 forward."""
     ck, _ = load_model_files(path or default_model_path())
     model = Llama(ck)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
-    params = _inject(model, ("attn_q", "attn_v"))
-    step, opt = _sft_step(model, params)
-    t = _time(lambda: float(step(ids, np.roll(ids, -1, axis=1), opt.scalars(1e-4))))
-    _free(model, step)
+    st, params = sft_stepper(model, ("attn_q", "attn_v"))
+    t, _ = time_stepper(model, st, params, [(ids, np.roll(ids, -1, axis=1))])
+    _free(model, st.fn, st.fn_packed)
     w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
     t0 = time.perf_counter()
     for b in range(B):
@@ -124,30 +172,33 @@ def quick_sft(B=1, T=64, path=None) -> dict:
             "numpy_tokens_per_s": B * T / npt}
 
 
-def dpo_step_and_inputs(model, P=4, T_prompt=32, T_resp=64):
-    """The traced DPO step (adapters on q,v) and one batch of random pairs for it."""
+def dpo_objective(model, P=4, T_prompt=32, T_resp=64):
+    """The trainer's DPO objective (adapters on q,v of every layer) over P random pairs, the
+    reference log-probs zero (precomputed in a real run), and its optimizer."""
     from . import dpo
     from .data import Example
-    params = _inject(model, ("attn_q", "attn_v"))
+    from .step import HostAdamW
+    cfg = TrainConfig(**{**BENCH, "targets": ["attn_q", "attn_v"], "dpo_batch": P, "bucket": 32,
+                         "max_len": T_prompt + T_resp}).validate()
+    params = params_of(model, inject(model, cfg))
     rng = np.random.default_rng(1)
     V = model.cfg.vocab_size
 
     def ex():
-        ids = list(rng.integers(0, V, T_prompt + T_resp))
-        lab = [-100] * (T_prompt - 1) + ids[T_prompt:] + [-100]
-        return Example(ids, lab, "", "")
+        ids = rng.integers(0, V, T_prompt + T_resp).tolist()
+        return Example(ids, [-100] * (T_prompt - 1) + ids[T_prompt:] + [-100], "", "")
     pairs = [dpo.Pair(ex(), ex(), "bench") for _ in range(P)]
-    step = dpo.build_dpo_step(model, params, 0.1, 0.0)
-    ic, pc, lc, sc = dpo._pack([p.chosen for p in pairs], 0, 32, T_prompt + T_resp)
-    ir, pr, lr, sr = dpo._pack([p.rejected for p in pairs], 0, 32, T_prompt + T_resp)
-    return step, (ic, pc, lc, sc, ir, pr, lr, sr, np.zeros(P, np.float32), np.ones(1, np.float32))
+    zero = np.zeros(P)
+    obj = dpo.DpoObjective(model, params, cfg, 0, pairs, zero, zero, FrozenPrefix(model, 0, 0), Single(),
+                           lambda s: None, lambda *a, **k: None, "base")
+    return obj, params, HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
 
 
 def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
-    step, args = dpo_step_and_inputs(model, P, T_prompt, T_resp)
-    t = _time(lambda: step(*args))
+    obj, params, opt = dpo_objective(model, P, T_prompt, T_resp)
+    t = _time(lambda: loop.one_step(obj, params, opt, 0))
     tokens = 2 * P * (T_prompt + T_resp)
-    return [{"case": f"dpo {P} pairs x {T_resp} response tokens (+{T_prompt} prompt), adapters on q,v",
+    return [{"case": f"dpo {P} pairs x {T_resp} response tokens (+{T_prompt} prompt), adapters on q,v (trainer step)",
              "step_s": t, "pairs_per_s": P / t, "tokens_per_s": tokens / t,
              "reference": "precomputed once (adapter off), cached"}]
 
@@ -158,4 +209,8 @@ def bench_train(objective="sft", path=None):
     if objective == "dpo":
         return bench_dpo(model)
     w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
-    return bench_sft(model, w)
+    rows = bench_sft(model, w)
+    del model
+    gc.collect()
+    return rows + bench_default_job(path)
+

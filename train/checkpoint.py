@@ -19,6 +19,7 @@ import numpy as np
 from vkdsl.fileio import atomic_write
 
 NAME = "checkpoint.npz"
+DPO = "dpo_checkpoint.npz"       # the DPO stage's own checkpoint, beside the SFT stage's finished one
 LEGACY = "checkpoint.json"        # the two-file format of earlier versions: never resumed from
 FORMAT = 2
 
@@ -51,30 +52,30 @@ def _digest(a: np.ndarray) -> str:
     return hashlib.sha256(str((a.dtype.str, a.shape)).encode() + a.tobytes()).hexdigest()
 
 
-def save(run_dir, step, names, params, opt_state, sampler_state, identity) -> Path:
+def save(run_dir, step, names, params, opt_state, sampler_state, identity, name=NAME) -> Path:
     arrays = {f"p{i}": np.asarray(p) for i, p in enumerate(params)}
     arrays.update({f"opt_{k}": np.asarray(v) for k, v in opt_state.items()})
     meta = {"format": FORMAT, "step": step, "modules": names, "sampler": sampler_state, **identity,
             "sha256": {k: _digest(v) for k, v in arrays.items()}}
     buf = io.BytesIO()
     np.savez(buf, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-    return atomic_write(Path(run_dir) / NAME, buf.getvalue())
+    return atomic_write(Path(run_dir) / name, buf.getvalue())
 
 
-def saved_step(run_dir):
+def saved_step(run_dir, name=NAME):
     """The step of the run folder's checkpoint, or None (for messages; not verified)."""
     try:
-        return load(run_dir)[0]["step"]
+        return load(run_dir, name)[0]["step"]
     except (CheckpointError, FileNotFoundError):
         return None
 
 
-def load(run_dir):
+def load(run_dir, name=NAME):
     """(meta, params, optimizer state) of a verified checkpoint."""
     run_dir = Path(run_dir)
-    path = run_dir / NAME
+    path = run_dir / name
     if not path.is_file():
-        if (run_dir / LEGACY).is_file():
+        if name == NAME and (run_dir / LEGACY).is_file():
             raise CheckpointError(f"{run_dir / LEGACY}: a checkpoint of the old two-file format, which a kill "
                                   f"can leave half-written; it cannot be resumed safely (start a new run)")
         raise FileNotFoundError(f"{path}: no checkpoint to resume from")
@@ -105,6 +106,15 @@ def load(run_dir):
     if "t" in opt and int(opt["t"]) != meta["step"]:
         raise CheckpointError(f"{path}: step {meta['step']} but the optimizer has taken {int(opt['t'])} steps")
     return meta, params, opt
+
+
+def check_order(path, meta, fresh, what):
+    """A stage's data order is a function of (seed, steps taken): replay a fresh one to the saved
+    step and compare it with the saved state; `what` says what the order depends on."""
+    for _ in range(meta["step"]):
+        fresh.next()
+    if json.dumps(fresh.state(), sort_keys=True) != json.dumps(meta["sampler"], sort_keys=True):
+        raise CheckpointError(f"{path}: its data-order state is not the one of step {meta['step']} with {what}")
 
 
 def check_identity(meta, identity):

@@ -67,9 +67,9 @@ class TrainConfig:
     dpo_heldout_file: str = str(DATA / "routing_prefs_heldout.jsonl")
     dpo_steps: int = 6
     dpo_beta: float = 0.1
-    dpo_lr: float = 5e-4
+    dpo_lr: float = 1e-4
     dpo_batch: int = 4
-    dpo_nll_weight: float = 0.0                      # optional NLL on the chosen responses
+    dpo_nll_weight: float = 1.0                      # NLL on the chosen responses (0: plain DPO)
     reference: str = "auto"                          # auto: the SFT adapter after SFT, else the base; base; none
     # evidence, checkpoints, output
     eval_every: int = 0
@@ -82,6 +82,7 @@ class TrainConfig:
     gate_heldout_acc: float = 0.5                    # held-out label accuracy must exceed this (and its
                                                      # Wilson lower bound the base's accuracy)
     gate_dpo_pair_acc: float = 0.5                   # DPO: held-out pair accuracy must exceed this
+    gate_dpo_task_drop: float = 0.0625               # DPO: held-out accuracy may fall this much below SFT's
     gate_preservation: float = 0.10                  # preservation loss may rise at most this (nats/token)
     gate_train_drop: float = 0.0                     # final train loss must be below the first by more
     gate_merge: float = 1e-2                         # merged-vs-separate max logit difference
@@ -127,8 +128,9 @@ class TrainConfig:
             (self.eval_every >= 0 and self.checkpoint_every >= 0, "eval_every/checkpoint_every must be >= 0"),
             (self.format_tokens >= 1 and self.format_examples >= 0 and self.stability_rows >= 0,
              "format_tokens must be >= 1, format_examples and stability_rows >= 0"),
-            (all(0 <= getattr(self, g) <= 1 for g in ("gate_format", "gate_calibration", "gate_slice", "gate_stability")),
-             "gate_format, gate_calibration, gate_slice and gate_stability must be in [0, 1]"),
+            (all(0 <= getattr(self, g) <= 1 for g in ("gate_format", "gate_calibration", "gate_slice", "gate_stability",
+                                                       "gate_dpo_task_drop")),
+             "gate_format, gate_calibration, gate_slice, gate_stability and gate_dpo_task_drop must be in [0, 1]"),
             (len(self.targets) > 0, "targets must name at least one module pattern"),
             (self.objective in ("sft", "dpo", "sft+dpo"), "objective must be sft, dpo or sft+dpo"),
             (self.reference in ("auto", "base", "sft", "none"), "reference must be auto, base, sft or none"),
@@ -223,6 +225,7 @@ HELP = {
     "gate_heldout_acc": "gate: held-out label accuracy must exceed this, and its Wilson 95% lower bound the "
                         "base model's accuracy",
     "gate_dpo_pair_acc": "gate: DPO held-out pair accuracy (chosen above rejected) must exceed this",
+    "gate_dpo_task_drop": "gate: held-out label accuracy after DPO may be this much below after SFT (2 of 32 rows)",
     "gate_preservation": "gate: preservation loss may rise at most this (nats/token)",
     "gate_train_drop": "gate: the final train loss must be below the first by more than this",
     "gate_merge": "gate: merged-vs-separate max logit difference",

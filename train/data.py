@@ -230,7 +230,7 @@ def collate(rows: list[Example], pad_id, bucket, max_len):
     return ids, lab
 
 
-def check_batches(rows: list[Example], batch_size):
+def check_batches(rows: list[Example]):
     """Preflight: rows with no supervised token (after truncation) are named."""
     bad = [r.where for r in rows if not any(x != IGNORE for x in r.labels)]
     if bad:

@@ -22,12 +22,13 @@ import vkdsl
 from vkdsl.autograd import grad
 from vkdsl.ops import losses
 
-from . import checkpoint
+from . import checkpoint, loop
 from .data import IGNORE, DataError, Example, collate, encode_row, read_jsonl
 from .distributed import Single, my_share, sum_over_ranks
 from .evidence import Scorer
 from .prefix import FrozenPrefix
-from .step import HostAdamW, clip, head_rows, select, selected_hidden
+from .schedule import lr_at
+from .step import HostAdamW, head_rows, select, selected_hidden
 
 LN2 = math.log(2.0)
 
@@ -170,19 +171,88 @@ def margin_story(ev: dict) -> str:
     return f"{100 * max(share, 1 - share):.0f}% of the margin came from {side} ({detail})"
 
 
-def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event, reference: str,
-              hashes: dict, prefix=None, group=None):
+class PairOrder:
+    """The DPO stage's pair order: seeded permutations, concatenated, taken `per_step` at a time;
+    state() / set_state() resume it (the shape of data.Sampler's)."""
+
+    def __init__(self, n, per_step, seed):
+        self.n, self.per_step = n, per_step
+        self.rng = np.random.default_rng(seed)
+        self.queue = []
+
+    def next(self) -> list[int]:
+        while len(self.queue) < self.per_step:
+            self.queue += self.rng.permutation(self.n).tolist()
+        out, self.queue = self.queue[:self.per_step], self.queue[self.per_step:]
+        return out
+
+    def state(self):
+        return {"rng": self.rng.bit_generator.state, "queue": list(self.queue)}
+
+    def set_state(self, st):
+        self.rng.bit_generator.state = st["rng"]
+        self.queue = list(st["queue"])
+
+
+class DpoObjective:
+    """DPO as the loop's objective (train.loop): the traced preference step over a global batch of
+    dpo_batch x P pairs, drawn as one process would draw them; each rank computes dpo_batch of them
+    and one all-reduce sums the gradients (and losses), so the objective is the single-process one."""
+    stage, finite = "dpo", ("loss",)
+
+    def __init__(self, model, params, cfg, pad, pairs, rc, rr, prefix, group, say, event, reference):
+        self.cfg, self.pad, self.pairs, self.rc, self.rr = cfg, pad, pairs, rc, rr
+        self.prefix, self.g, self.say, self.event, self.reference = prefix, group, say, event, reference
+        self.steps, self.clip = cfg.dpo_steps, cfg.clip
+        self.order = PairOrder(len(pairs), cfg.dpo_batch * group.size, cfg.data_seed)
+        self.fn = build_dpo_step(model, params, cfg.dpo_beta, cfg.dpo_nll_weight, prefix.start)
+        self.history = []
+
+    def lr(self, step):
+        return lr_at(step, self.cfg.dpo_lr, self.steps, 0, self.cfg.min_lr_ratio)
+
+    def gradient(self, idx, step):
+        g, c, pairs = self.g, self.cfg, self.pairs
+        mine = my_share(idx, g)
+        batch = [pairs[i] for i in mine]
+        ic, pc_, lc, sc = _pack([p.chosen for p in batch], self.pad, c.bucket, c.max_len, self.prefix)
+        ir, pr_, lr_, sr = _pack([p.rejected for p in batch], self.pad, c.bucket, c.max_len, self.prefix)
+        ref = (self.rc[mine] - self.rr[mine]).astype(np.float32)
+        # the NLL term's normalizer counts the whole global batch's chosen tokens; the traced mean
+        # is over this rank's pairs, so every term is scaled by P here and divided by P after the sum
+        n_c = max(sum(int(np.sum(np.asarray(pairs[i].chosen.labels) != IGNORE)) for i in idx), 1)
+        self.last_args = (ic, pc_, lc, sc, ir, pr_, lr_, sr, ref, np.array([g.size / n_c], np.float32))
+        out = self.fn(*self.last_args)
+        loss, grads, extra = float(out[0]), [np.asarray(x, np.float32) for x in out[3:]], {}
+        nll = -float(np.sum(np.asarray(out[1], np.float64))) * g.size / n_c * c.dpo_nll_weight
+        if g.size > 1:
+            grads, (loss, nll), extra = sum_over_ranks(g, grads, [loss, nll])
+            grads, loss, nll = [x / g.size for x in grads], loss / g.size, nll / g.size
+        return grads, {"loss": loss, "nll": nll, **extra}
+
+    def record(self, step, rec):
+        if step == 1 and self.reference != "none":     # the preference term alone: the loss less the NLL
+            pref = rec["loss"] - rec["nll"]
+            self.say(f"DPO step 1 preference loss {pref:.6f}; policy == reference gives ln 2 = {LN2:.6f} "
+                     f"(difference {pref - LN2:+.2e})" + (f"; NLL on chosen {rec['nll']:.4f}" if rec["nll"] else ""))
+        rec = {"step": step, "stage": "dpo", "dpo_loss": rec.pop("loss"), **rec}
+        self.history.append(rec)
+        self.event("dpo_step", **rec)
+        self.say(f"dpo step {step}/{self.steps} loss {rec['dpo_loss']:.4f} |g| {rec['grad_norm']:.3g}  "
+                 f"{rec['time']:.1f}s")
+
+
+def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event, reference: str, hashes: dict,
+              prefix=None, group=None, stage=None):
     """reference: 'base' (adapter off), 'sft' (the adapter as it stands now, frozen), 'none'.
-    cfg needs: dpo_beta, dpo_lr, dpo_steps, dpo_batch, dpo_nll_weight, pad/bucket/max_len, clip,
-    betas, eps, weight_decay. prefix: train.prefix.FrozenPrefix. Returns (history, final evidence dict).
-    group (train.distributed): a step's global batch is dpo_batch x P pairs, drawn as one process
-    would draw them; each rank computes dpo_batch of them and one all-reduce sums the gradients
-    (and losses), so the objective is the single-process one. Reference log-probs and evidence are
-    scored in shards and gathered."""
+    cfg: a TrainConfig (dpo_*, bucket, max_len, eval_batch, clip, betas, eps, weight_decay,
+    data_seed, min_lr_ratio). prefix: train.prefix.FrozenPrefix. Reference log-probs and evidence
+    are scored in shards over group's ranks and gathered. stage: f(objective, optimizer) -> None
+    runs the loop (train.stages: checkpoints and resume); None: train.loop.train from step 0.
+    Returns (history, final evidence dict)."""
     g = group or Single()
     prefix = prefix or FrozenPrefix(model, 0, 0)
-    scorer = Scorer(model, cfg["pad_id"], cfg["bucket"], cfg["max_len"], cfg.get("eval_batch", cfg["dpo_batch"]),
-                    prefix, g)
+    scorer = Scorer(model, pad, cfg.bucket, cfg.max_len, cfg.eval_batch, prefix, g)
     if reference == "none":
         rc = rr = np.zeros(len(pairs))
         hc = hr = np.zeros(len(heldout))
@@ -196,47 +266,14 @@ def train_dpo(model, params, tok, cfg, pairs, heldout, run_dir: Path, say, event
         say(f"DPO reference log-probs of {len(pairs) + len(heldout)} pairs in {time.perf_counter() - t0:.1f}s")
         rc, rr = both[0][:len(pairs)], both[1][:len(pairs)]
         hc, hr = both[0][len(pairs):], both[1][len(pairs):]
-    step_fn = build_dpo_step(model, params, cfg["dpo_beta"], cfg["dpo_nll_weight"], prefix.start)
-    opt = HostAdamW([p.shape for p in params], cfg["betas"], cfg["eps"], cfg["weight_decay"])
-    rng = np.random.default_rng(cfg.get("seed", 0))
-    order, history = [], []
-    G = cfg["dpo_batch"] * g.size                          # the global batch
-    for step in range(1, cfg["dpo_steps"] + 1):
-        t0 = time.perf_counter()
-        if len(order) < G:
-            order += list(rng.permutation(len(pairs)))
-        idx, order = order[:G], order[G:]
-        mine = my_share(idx, g)
-        batch = [pairs[i] for i in mine]
-        ic, pc_, lc, sc = _pack([p.chosen for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"], prefix)
-        ir, pr_, lr_, sr = _pack([p.rejected for p in batch], cfg["pad_id"], cfg["bucket"], cfg["max_len"], prefix)
-        ref = (rc[mine] - rr[mine]).astype(np.float32)
-        # the NLL term's normalizer counts the whole global batch's chosen tokens; the traced mean
-        # is over this rank's pairs, so every term is scaled by P here and divided by P after the sum
-        n_c = max(sum(int(np.sum(np.asarray(pairs[i].chosen.labels) != IGNORE)) for i in idx), 1)
-        out = step_fn(ic, pc_, lc, sc, ir, pr_, lr_, sr, ref, np.array([g.size / n_c], np.float32))
-        loss, grads, extra = float(out[0]), [np.asarray(x, np.float32) for x in out[3:]], {}
-        if g.size > 1:
-            grads, (loss,), extra = sum_over_ranks(g, grads, [loss])
-            grads, loss = [x / g.size for x in grads], loss / g.size
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"DPO step {step}: loss is {loss}; stopping (the last checkpoint is kept)")
-        if step == 1 and reference != "none":
-            say(f"DPO step 1 loss {loss:.6f}; policy == reference gives ln 2 = {LN2:.6f} "
-                f"(difference {loss - LN2:+.2e})")
-        gs, norm = clip(grads, cfg["clip"])
-        frac = (step - 1) / max(cfg["dpo_steps"] - 1, 1)
-        lr = cfg["dpo_lr"] * 0.5 * (1 + math.cos(math.pi * frac))
-        new = opt.update([p.numpy() for p in params], gs, lr)
-        for p, a in zip(params, new):
-            p.assign(vkdsl.tensor(a))
-        rec = {"step": step, "stage": "dpo", "dpo_loss": loss, "grad_norm": norm, "lr": lr,
-               "time": time.perf_counter() - t0, **extra}
-        history.append(rec)
-        event("dpo_step", **rec)
-        say(f"dpo step {step}/{cfg['dpo_steps']} loss {loss:.4f} |g| {norm:.3g}  {rec['time']:.1f}s")
+    obj = DpoObjective(model, params, cfg, pad, pairs, rc, rr, prefix, g, say, event, reference)
+    opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
+    if stage is None:
+        loop.train(obj, params, opt, g)
+    else:
+        stage(obj, opt)
     # the training pairs' evidence only when no held-out pairs exist: the held-out split carries the
     # gate and the drift story, and scoring both doubles the stage's evaluation time
-    train_ev = dpo_evidence(scorer, pairs, rc, rr) if not heldout or cfg.get("train_evidence") else None
+    train_ev = dpo_evidence(scorer, pairs, rc, rr) if not heldout else None
     held_ev = dpo_evidence(scorer, heldout, hc, hr) if heldout else None
-    return history, {"train": train_ev, "heldout": held_ev}
+    return obj.history, {"train": train_ev, "heldout": held_ev}

@@ -294,6 +294,11 @@ def dpo_gates(ev, cfg, base_acc=None):
                   f"{ev['preservation_delta']:+.4f} <= {cfg.gate_preservation} nats/token"))
     if ev.get("after"):
         g += surface_gates(ev["after"], cfg, base_acc, "after DPO: ")
+        before, after = ev.get("sft_acc"), ev["after"].get("heldout_acc")
+        if before is not None and after is not None:
+            g.append(("DPO did not cost the task", after >= before - cfg.gate_dpo_task_drop,
+                      f"held-out accuracy {before:.3f} after SFT -> {after:.3f} after DPO, "
+                      f">= {before:.3f} - {cfg.gate_dpo_task_drop}"))
     return g
 
 

@@ -4,10 +4,8 @@ submitted on its own (vkdsl.bench.time_steps); the difference to the whole step'
 host work (the optimizer, copies, submit and wait)."""
 from __future__ import annotations
 
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 
@@ -66,18 +64,18 @@ def table(prog, vocab: int, wall_s: float, objective: str) -> list[dict]:
 
 def profile_sft(path=None) -> list[dict]:
     """The trainer's own step on one default batch (the default config: its adapters, TMKL, the
-    frozen prefix and the base logits cached after the first visit)."""
-    from .config import TrainConfig
-    from .progress import Reporter
+    frozen prefix), through train.loop.one_step."""
+    from . import loop
+    from .bench import default_job_run
     from .step import select
-    from .trainer import Run
-    cfg = TrainConfig(verify=False, quiet=True, model=path or "").validate()
-    r = Run(cfg, Path(tempfile.mkdtemp(prefix="vkdsl-profile-")), Reporter(None, quiet=True))
-    micro = r.micro_batches(r.sampler.next())
-    r.stepper.step(micro, 1e-6)                       # compiles; fills the base-logit cache
+    from .trainer import SftObjective
+    r = default_job_run(path)
+    obj = SftObjective(r)
+    loop.one_step(obj, r.params, r.stepper.opt, 0)              # compiles
     t = time.perf_counter()
-    r.stepper.step(micro, 1e-6)
+    loop.one_step(obj, r.params, r.stepper.opt, 1)
     wall = time.perf_counter() - t
+    micro = r.micro_batches(r.sampler.next())
     ids, labels = micro[0][:2]
     pos, lab = select(labels)
     x = r.stepper.prefix.feed(ids, labels)              # the stream entering the first adapted layer
@@ -91,14 +89,15 @@ def profile_dpo(path=None) -> list[dict]:
     from vkdsl.models import load_model_files
     from vkdsl.models.default import default_model_path
     from vkdsl.models.llama import Llama
-    from . import bench
+    from . import loop
+    from .bench import dpo_objective
     model = Llama(load_model_files(path or default_model_path())[0])
-    step, args = bench.dpo_step_and_inputs(model)
-    step(*args)
+    obj, params, opt = dpo_objective(model)
+    loop.one_step(obj, params, opt, 0)
     t = time.perf_counter()
-    step(*args)
+    loop.one_step(obj, params, opt, 1)
     wall = time.perf_counter() - t
-    return table(step.program(*args), model.cfg.vocab_size, wall, "dpo")
+    return table(obj.fn.program(*obj.last_args), model.cfg.vocab_size, wall, "dpo")
 
 
 def bench_or_profile(objective="sft", path=None, profile=False) -> list[dict]:

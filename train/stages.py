@@ -8,7 +8,7 @@ import time
 
 import vkdsl
 
-from . import checkpoint, dpo, evidence
+from . import checkpoint, dpo, evidence, loop
 from .report import build_report
 
 
@@ -16,8 +16,43 @@ def _hash_text(t) -> str:
     return hashlib.sha256(str(t).encode()).hexdigest()
 
 
-def dpo_stage(r):
-    """Train the same adapters with DPO; record evidence; returns the evidence dict."""
+def _dpo_loop(r, obj, opt, stop_after=None):
+    """The DPO stage through the one loop, with its own checkpoint (checkpoint.DPO): it records the
+    adapter DPO started from and the SFT stage's evidence, so a resume inside DPO continues from
+    its last saved step on the same start, bit for bit."""
+    cfg, path = r.cfg, r.dir / checkpoint.DPO
+    start_sum = evidence.checksum([p.numpy() for p in r.params])
+    step = 0
+    if getattr(r, "dpo_saved", None) is not None:
+        meta, params, state = r.dpo_saved
+        if meta.get("start_adapter") != start_sum or meta["modules"] != r.names:
+            raise checkpoint.CheckpointError(f"{path}: DPO was checkpointed from another adapter than the one this "
+                                             f"run reaches before DPO (adapter {meta.get('start_adapter')} vs "
+                                             f"{start_sum}, or other modules): refusing to resume inside DPO")
+        checkpoint.check_order(path, meta, dpo.PairOrder(obj.order.n, obj.order.per_step, cfg.data_seed),
+                               f"data_seed {cfg.data_seed}, {obj.order.per_step} pairs per step")
+        for p, a in zip(r.params, params):
+            p.assign(vkdsl.tensor(a))
+        opt.load(state)
+        obj.order.set_state(meta["sampler"])
+        step = meta["step"]
+        r.r.say(f"resumed DPO from {path} at DPO step {step}")
+    identity = {**r.identity, "start_adapter": start_sum, "sft_final": r.final, "first_loss": r.first_loss}
+
+    def save(at):
+        checkpoint.save(r.dir, at, r.names, [p.numpy() for p in r.params], opt.state(), obj.order.state(), identity,
+                        name=checkpoint.DPO)
+    step, finished = loop.train(obj, r.params, opt, r.group, step, save, cfg.checkpoint_every, (), stop_after,
+                                lambda: checkpoint.saved_step(r.dir, checkpoint.DPO) or "none")
+    if not finished:
+        raise loop.Interrupted(f"DPO stopped after step {step} (stop_after)")
+    if not cfg.checkpoint_every or step % cfg.checkpoint_every:
+        save(step)
+
+
+def dpo_stage(r, stop_after=None):
+    """Train the same adapters with DPO; record evidence; returns the evidence dict. stop_after:
+    end the stage after that DPO step with loop.Interrupted (a simulated kill)."""
     cfg, rep = r.cfg, r.r
     enc = (cfg.chat_template, cfg.max_len, cfg.truncation_side)
     pairs, same = dpo.load_pairs(cfg.dpo_train_file, r.tok, *enc)
@@ -30,9 +65,6 @@ def dpo_stage(r):
             f"{ {'sft': 'the SFT adapter, frozen', 'base': 'the base (adapter off)', 'none': 'none (control)'}[reference]}")
     hashes = {"base": f"{r.identity['base_sha256']}:{cfg.quant}", "tokenizer": r.identity["tokenizer_sha256"],
               "template": _hash_text(r.tok.chat_template)}
-    dcfg = dict(pad_id=r.pad, bucket=cfg.bucket, max_len=cfg.max_len, dpo_batch=cfg.dpo_batch, eval_batch=cfg.eval_batch, dpo_beta=cfg.dpo_beta,
-                dpo_lr=cfg.dpo_lr, dpo_steps=cfg.dpo_steps, dpo_nll_weight=cfg.dpo_nll_weight, clip=cfg.clip,
-                betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, seed=cfg.data_seed)
     base_pres = r.base["pres"] if getattr(r, "base", None) else None
 
     def event(kind, **rec):
@@ -40,8 +72,8 @@ def dpo_stage(r):
         with open(r.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"event": kind, **rec, "step": cfg.steps + rec.get("step", 0)}) + "\n")
     t0 = time.perf_counter()
-    history, ev = dpo.train_dpo(r.model, r.params, r.tok, dcfg, pairs, held, r.dir, rep.say, event, reference, hashes,
-                                  r.prefix, r.group)
+    history, ev = dpo.train_dpo(r.model, r.params, cfg, r.pad, pairs, held, r.dir, rep.say, event, reference, hashes,
+                                r.prefix, r.group, lambda obj, opt: _dpo_loop(r, obj, opt, stop_after))
     r.dpo_history = history
     after = r.held.scores(adapters_on=True)          # every surface again, after DPO (one scoring pass)
     surf = r.held.surfaces(after, adapters_on=True)
@@ -51,6 +83,7 @@ def dpo_stage(r):
                    "heldout_target_prob": evidence.target_prob(after["label_lp"], after["truth"]),
                    **{k: v for k, v in surf.items() if k != "decisions"},
                    "decision_agreement_with_sft": evidence.agreement(surf["decisions"], (r.final or {}).get("decisions", []))}
+    ev["sft_acc"] = (r.final or {}).get("heldout_acc")
     if base_pres is not None and r.passages:
         ev["preservation_delta"] = after["pres"] - base_pres
     rep.say(f"DPO evidence ({time.perf_counter() - t0:.0f}s):")

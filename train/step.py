@@ -193,6 +193,15 @@ def clip(gs, max_norm):
     return gs, norm
 
 
+def apply(params, opt, gs, lr, max_norm) -> float:
+    """The update of every stage (train.loop): clip -> AdamW (host, float32) -> write back into the same device buffers; returns |g|."""
+    gs, norm = clip(gs, max_norm)
+    new = opt.update([p.numpy() for p in params], gs, lr)
+    for p, a in zip(params, new):
+        p.assign(vkdsl.tensor(a))
+    return norm
+
+
 class Stepper:
     """Accumulates micro-batch gradients and applies one AdamW update per optimizer step."""
 
@@ -252,7 +261,15 @@ class Stepper:
         return self.fn_packed(feed, pos, lab, inv, pk.positions(), pk.segments(), *self._chunks(base))
 
     def step(self, micro, lr, rehearsal=None, group=None):
-        """rehearsal: (micro-batches of general text, weight w): the objective becomes the task's
+        """gradient() then train.loop.apply (clip, AdamW, assign): the loop's step, for callers
+        that drive the Stepper alone (probes, tests, bench)."""
+        gs, rec = self.gradient(micro, rehearsal, group)
+        rec["grad_norm"] = apply(self.params, self.opt, gs, lr, self.cfg.clip)
+        return rec
+
+    def gradient(self, micro, rehearsal=None, group=None):
+        """-> (the step's unclipped gradient, its record: loss, tmkl, tokens, counts, raw_grads).
+        rehearsal: (micro-batches of general text, weight w): the objective becomes the task's
         mean plus w times the general text's mean (each over its own supervised tokens).
         group (train.distributed): micro-batches are the whole step's on every rank; this rank
         computes its share, and one all-reduce of the flat gradient (with the loss sums) makes the
@@ -283,11 +300,5 @@ class Stepper:
             count.update({k: int(v) for k, v in zip(counted, n)})
             if "rehearsal_loss" in extra:
                 extra["rehearsal_loss"] = ce_r
-        raw = gs
-        gs, norm = clip(gs, self.cfg.clip)
-        cur = [p.numpy() for p in self.params]
-        new = self.opt.update(cur, gs, lr)
-        for p, a in zip(self.params, new):
-            p.assign(vkdsl.tensor(a))
-        return {"loss": ce / n_total, "tmkl": kl / n_total, "grad_norm": norm, "tokens": n_total,
-                **count, **extra, "raw_grads": raw}
+        return gs, {"loss": ce / n_total, "tmkl": kl / n_total, "tokens": n_total, **count, **extra,
+                    "raw_grads": gs}

@@ -16,22 +16,16 @@ from vkdsl.models.llama import Llama
 from vkdsl.ops.losses import check_labels
 from vkdsl.precision import current as matmul_precision_now
 
-from . import checkpoint, evidence
+from . import checkpoint, evidence, loop
 from .data import IGNORE, DataError, Sampler, check_batches, collate, load_examples, load_passages
-from .distributed import Single, check_replicas
+from .distributed import Single
 from .heldout import Heldout
+from .loop import TrainingStopped  # noqa: F401  (re-exported: the CLI's user error)
 from .inject import count_report, inject, params_of
 from .prefix import FrozenPrefix, first_adapted_layer
 from .progress import Reporter
-from .schedule import checkpoints as lr_points, lr_at
+from .schedule import checkpoints as lr_points, sft_lr
 from .step import Stepper
-
-
-class TrainingStopped(RuntimeError):
-    pass
-
-
-REPLICA_CHECK_EVERY = 5         # steps between the all-gathered adapter checksums of a parallel run
 
 
 class Run:
@@ -110,7 +104,7 @@ class Run:
             if not lr > 0:
                 raise ValueError(f"preflight: the schedule applies lr {lr} at {label} (step {s}); "
                                  f"training would not move (check lr, min_lr_ratio, warmup)")
-        check_batches(self.train, cfg.batch_size)
+        check_batches(self.train)
         for r in self.train:
             check_labels(np.array(r.labels), self.model.cfg.vocab_size, what=r.where)
         if not self.params:
@@ -251,15 +245,9 @@ class Run:
             if p.shape != a.shape:
                 raise checkpoint.CheckpointError(f"{path}: an adapter tensor of shape {a.shape}, the model's is "
                                                  f"{p.shape}")
-        # the data order is a function of (data_seed, steps taken): replay it and compare
-        replay = Sampler(self.train, self.rows_per_step, self.cfg.data_seed)
-        for _ in range(meta["step"]):
-            replay.next()
-        if json.dumps(replay.state(), sort_keys=True) != json.dumps(meta["sampler"], sort_keys=True):
-            raise checkpoint.CheckpointError(
-                f"{path}: its data-order state is not the one of step {meta['step']} with data_seed "
-                f"{self.cfg.data_seed}, {self.rows_per_step} rows per step (batch_size x grad_accum x processes) "
-                f"over this training file")
+        checkpoint.check_order(path, meta, Sampler(self.train, self.rows_per_step, self.cfg.data_seed),
+                               f"data_seed {self.cfg.data_seed}, {self.rows_per_step} rows per step "
+                               f"(batch_size x grad_accum x processes) over this training file")
         import vkdsl
         for p, a in zip(self.params, params):
             p.assign(vkdsl.tensor(a))
@@ -269,7 +257,6 @@ class Run:
         self.last_loss = meta.get("last_loss")
         self.init_sum = meta.get("init_checksum", self.init_sum)
         self.r.say(f"resumed from {path} at step {self.step}")
-        checkpoint.mark_resume(self.dir / "metrics.jsonl", self.step)
 
     def save(self):
         ps = [p.numpy() for p in self.params]
@@ -278,45 +265,53 @@ class Run:
                          "init_checksum": self.init_sum})
 
     def train_loop(self, stop_after=None, at_step=None):
-        """at_step(run) is called after each optimizer step (a probe's checkpoints)."""
+        """The SFT stage through the one loop (train.loop). at_step(run) is called after each
+        optimizer step (a probe's checkpoints)."""
         cfg = self.cfg
-        while self.step < cfg.steps:
-            micro = self.micro_batches(self.sampler.next())
-            lr = lr_at(self.step + 1, cfg)
-            t0 = time.perf_counter()
-            rec = self.stepper.step(micro, lr, self.rehearsal_batch(self.step), group=self.group)
-            if not math.isfinite(rec["loss"]) or not math.isfinite(rec["tmkl"]):
-                raise TrainingStopped(f"non-finite loss ({rec['loss']}) at step {self.step + 1}: stopped "
-                                      f"before applying it; the last good checkpoint (step "
-                                      f"{self._ckpt_step()}) is kept in {self.dir}")
-            self.step += 1
-            if self.group.size > 1 and (self.step % REPLICA_CHECK_EVERY == 0 or self.step == cfg.steps):
-                check_replicas(self.group, evidence.checksum([p.numpy() for p in self.params]), self.step)
-            for k in ("computed", "micro", "packed"):
-                self.tokens[k] += rec[k]
-            rec.update(lr=lr, time=time.perf_counter() - t0, seq_tokens=rec["computed"])
-            if self.step == 1 and self.first_loss is None:
-                self.first_loss = rec["loss"]
-            if self.step == 1:
-                self.after_first_step(rec["raw_grads"])
-            self.last_loss = rec["loss"]
-            self.r.progress(self.step, cfg.steps, rec)
-            with open(self.dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"event": "step", "step": self.step,
-                                    **{k: v for k, v in rec.items() if k != "raw_grads"}}) + "\n")
-            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                self.save()
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.steps:
+
+        def evaluate(step, rec):
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
                 self.evaluate()
-            if at_step is not None:
-                at_step(self)
-            if stop_after is not None and self.step >= stop_after:
-                return False
-        return True
+        hooks = [evaluate] + ([lambda step, rec: at_step(self)] if at_step is not None else [])
+        _, finished = loop.train(SftObjective(self), self.params, self.stepper.opt, self.group, self.step,
+                                 lambda step: self.save(), cfg.checkpoint_every, hooks, stop_after, self._ckpt_step)
+        return finished
 
     def _ckpt_step(self):
         step = checkpoint.saved_step(self.dir)
         return "none" if step is None else step
+
+
+class SftObjective:
+    """SFT (CE + TMKL + rehearsal, packing) as the loop's objective, over a Run's rows."""
+    stage, finite = "sft", ("loss", "tmkl")
+
+    def __init__(self, run):
+        self.r, self.steps, self.order, self.clip = run, run.cfg.steps, run.sampler, run.cfg.clip
+
+    def lr(self, step):
+        return sft_lr(step, self.r.cfg)
+
+    def gradient(self, idx, step):
+        r = self.r
+        r.step = step - 1                    # micro_batches and rehearsal_batch name the step being built
+        return r.stepper.gradient(r.micro_batches(idx), r.rehearsal_batch(step - 1), group=r.group)
+
+    def record(self, step, rec):
+        r = self.r
+        r.step = step
+        for k in ("computed", "micro", "packed"):
+            r.tokens[k] += rec[k]
+        rec["seq_tokens"] = rec["computed"]
+        if step == 1 and r.first_loss is None:
+            r.first_loss = rec["loss"]
+        if step == 1:
+            r.after_first_step(rec["raw_grads"])
+        r.last_loss = rec["loss"]
+        r.r.progress(step, self.steps, rec)
+        with open(r.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"event": "step", "step": step, **{k: v for k, v in rec.items() if k != "raw_grads"}})
+                    + "\n")
 
 
 BASE_EVAL = "base_eval.json"
@@ -351,11 +346,17 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
     r = Run(cfg, run_dir, rep, reuse, files, group)
     r.preflight()
+    r.dpo_saved = None                  # (meta, params, optimizer) of the DPO stage's checkpoint to resume
     if resume and not any((Path(resume) / n).exists() for n in (checkpoint.NAME, checkpoint.LEGACY)):
         rep.say(f"no checkpoint in {resume} yet: starting from step 0 with its config")
-        checkpoint.mark_resume(run_dir / "metrics.jsonl", 0)
     elif resume:
         r.restore(resume)
+    if resume and "dpo" in cfg.objective and (Path(resume) / checkpoint.DPO).is_file():
+        r.dpo_saved = checkpoint.load(resume, checkpoint.DPO)
+        checkpoint.check_identity(r.dpo_saved[0], r.identity)
+    if resume:                          # the records of steps after the resumed ones run again
+        at = cfg.steps + r.dpo_saved[0]["step"] if r.dpo_saved else r.step
+        checkpoint.mark_resume(run_dir / "metrics.jsonl", at)
     if evidence_at_end:
         r.base_evidence()
     t0 = time.perf_counter()
@@ -377,7 +378,12 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
                  **{f"{n}.lora_B": r.model.lora[n].B.numpy() for n in r.names})
         checkpoint.atomic_write(run_dir / "adapter.npz", buf.getvalue())
         if evidence_at_end and final and cfg.objective != "dpo":   # DPO alone: its stage has evidence and gates
-            r.final = r.evaluate(final=True)
+            kept = r.dpo_saved[0].get("sft_final") if r.dpo_saved else None
+            if kept is not None:        # resumed inside DPO: the SFT stage's evaluation was taken before it
+                r.final = kept
+                rep.say(f"SFT evidence at step {r.step} as the DPO checkpoint recorded it")
+            else:
+                r.final = r.evaluate(final=True)
             r.gates = evidence.gates(r.final, r.first_loss, cfg)
             rep.say("gates:")
             for name, ok, why in r.gates:

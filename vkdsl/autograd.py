@@ -36,15 +36,15 @@ def _matmul_grads(out, g, a, b):
     ga = gb = None
     with matmul_precision(out.arg.precision):     # gradients at the forward's precision
         if a.requires_grad:
-            dA = _batch_sum(g @ B.transpose(-1, -2), A, g, B, "a")
+            dA = _batch_sum(g @ B.transpose(-1, -2), A)
             ga = dA.transpose(-1, -2) if ta else dA
         if b.requires_grad:
-            dB = _batch_sum(A.transpose(-1, -2) @ g, B, A, g, "b")
+            dB = _batch_sum(A.transpose(-1, -2) @ g, B)
             gb = dB.transpose(-1, -2) if tb else dB
     return ga, gb
 
 
-def _batch_sum(d, X, P, Q, which):
+def _batch_sum(d, X):
     """Reduce a batched gradient over the batch axes its operand X was broadcast along."""
     return d if d.shape == X.shape else _unexpand(d, X.shape)
 

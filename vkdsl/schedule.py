@@ -45,7 +45,7 @@ def plan(outputs: list, assigns: list[tuple]):
         direct = (id(value) not in mat and all(l is target for l in reads) and _identity_reads(value, target))
         if not direct and id(value) not in mat:    # compute into a temporary before any write lands
             mat.add(id(value))
-            steps.insert(len(steps), Step(_kind(value), value, leaves_of(value, mat)))
+            steps.append(Step(_kind(value), value, leaves_of(value, mat)))
         steps.append(Step("assign", value, [value] if id(value) in mat else leaves_of(value, mat), target))
     _check_assign_order(steps)
     return steps, mat

@@ -363,13 +363,13 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     # Operands are flattened to (B, M, K) / (B, K, N) with B = 1 meaning "shared across the batch".
     nb = math.prod(batch)
 
-    def prep(t, rows, cols):
+    def prep(t):
         lead = t.shape[:-2]
         if lead and math.prod(lead) > 1 and tuple((1,) * (len(batch) - len(lead)) + lead) != batch:
             t = t.expand(batch + t.shape[-2:])
         t, tr = _peel_transpose(t)
         return t, tr, (math.prod(t.shape[:-2]) if t.ndim > 2 else 1)
-    a2, ta, ba = prep(a, M, K)
-    b2, tb, bb = prep(b, K, N)
+    a2, ta, ba = prep(a)
+    b2, tb, bb = prep(b)
     return Tensor("matmul", (a2, b2), MatmulArg(ta, tb, nb, ba, bb, precision.current()), shape=out_shape,
                   requires_grad=a.requires_grad or b.requires_grad)

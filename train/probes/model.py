@@ -17,7 +17,7 @@ from vkdsl.ops.lora import LoRA
 
 from ..data import load_passages
 from ..evidence import Scorer, mean_loss
-from ..schedule import lr_at
+from ..schedule import sft_lr
 from ..step import Stepper
 from .base import Expectation, Result, probe
 from .common import config, open_run, spectrum_stats, train_run
@@ -43,8 +43,8 @@ def init(ctx) -> Result:
     r = open_run(ctx, "init")
     x = vkdsl.tensor(_rows_ids(r, ctx.params["rows"]))
     diff = float(np.abs(r.model.forward(x, adapters_on=True).numpy() - r.model.forward(x, adapters_on=False).numpy()).max())
-    g1 = r.stepper.step(r.micro_batches(r.sampler.next()), lr_at(1, r.cfg))["raw_grads"]
-    g2 = r.stepper.step(r.micro_batches(r.sampler.next()), lr_at(2, r.cfg))["raw_grads"]
+    g1 = r.stepper.step(r.micro_batches(r.sampler.next()), sft_lr(1, r.cfg))["raw_grads"]
+    g2 = r.stepper.step(r.micro_batches(r.sampler.next()), sft_lr(2, r.cfg))["raw_grads"]
     rows = [{"module": n, "|dA| step 1": _norm(g1[2 * k]), "|dB| step 1": _norm(g1[2 * k + 1]),
              "|dA| step 2": _norm(g2[2 * k])} for k, n in enumerate(r.names)]
     m = len(rows)
@@ -67,7 +67,7 @@ def _train(r, stepper, steps):
     r.sampler = type(r.sampler)(r.train, r.cfg.batch_size * r.cfg.grad_accum, r.cfg.data_seed)   # same order
     before = mean_loss(r.scorer.row_logprobs(r.train, True))
     for s in range(1, steps + 1):
-        stepper.step(r.micro_batches(r.sampler.next()), lr_at(s, r.cfg))
+        stepper.step(r.micro_batches(r.sampler.next()), sft_lr(s, r.cfg))
     return before, mean_loss(r.scorer.row_logprobs(r.train, True))
 
 

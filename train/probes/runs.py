@@ -199,14 +199,14 @@ def dpo_drift(ctx) -> Result:
             h = _against_base(r, ev)
         margin = h["chosen_drift"] - h["rejected_drift"]
         share = -h["rejected_drift"] / margin if margin > 0 and h["rejected_drift"] < 0 else None
-        losses = [x["dpo_loss"] for x in r.dpo_history]
+        losses = [x["dpo_loss"] - x["nll"] for x in r.dpo_history]      # the preference term (no NLL)
         rows.append({"run": f"seed {s}" if ref == "base" else "reference-free (control)",
                      "loss first": losses[0], "loss last": losses[-1], "pair accuracy": h["pair_accuracy"],
                      "margin improvement": h["margin_improvement"], "chosen drift": h["chosen_drift"],
                      "rejected drift": h["rejected_drift"], "share from lowering rejected": share,
                      "preservation change": ev.get("preservation_delta")})
     seeded = rows[:-1]
-    ex = [Expectation("with the base as reference, the first DPO loss is ln 2 (policy == reference)",
+    ex = [Expectation("with the base as reference, the first DPO preference loss is ln 2 (policy == reference)",
                       ", ".join(f"{x['loss first']:.6f}" for x in seeded),
                       all(abs(x["loss first"] - np.log(2)) < 1e-4 for x in seeded)),
           Expectation("DPO widens the held-out margin in every seed", ", ".join(
