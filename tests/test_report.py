@@ -45,8 +45,9 @@ def test_panels_and_numbers_come_from_the_run(runs):
     assert f"{f['calibration']['ece']:.3f}" in page and f"{f['format_valid']:.3f}" in page
     after = summary["dpo"]["after"]
     assert f"{after['calibration']['ece']:.3f}" in page
+    assert summary["gates"] == json.loads((runs[0] / "gates.json").read_text())   # one schema, one list
     for g in summary["gates"]:
-        assert html.escape(g["name"]) in page
+        assert html.escape(g["gate"]) in page
     assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
     svgs = re.findall(r"<svg.*?</svg>", page, re.S)
     assert len(svgs) >= 6                                  # fit, lr, reliability x3, slices, DPO, spectrum

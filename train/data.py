@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-IGNORE = -100
+from vkdsl.ops.losses import IGNORE  # noqa: F401  (the one label mask value; re-exported)
 
 
 class DataError(ValueError):

@@ -4,6 +4,7 @@ and the end-of-run gates."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -281,6 +282,20 @@ def gates(ev, first_loss, cfg):
         g.append(("stability (fp32 base)", fp["agreement"] >= cfg.gate_stability,
                   f"{fp['agreement']:.3f} of {fp['rows']} decisions unchanged >= {cfg.gate_stability}"))
     return g
+
+
+def gate_records(gates) -> list[dict]:
+    """The one schema of gates everywhere they are written (gates.json, summary.json, --jsonl)."""
+    return [{"gate": n, "pass": ok, "detail": w} for n, ok, w in gates]
+
+
+def publish_gates(rep, run_dir, gates, new):
+    """Print the new gates' lines, then emit and write every gate so far (gates.json, atomic)."""
+    from .checkpoint import atomic_write
+    for name, ok, why in new:
+        rep.say(f"  {'PASS' if ok else 'FAIL'}  {name}: {why}")
+    rep.event("gates", gates=gate_records(gates))
+    atomic_write(run_dir / "gates.json", json.dumps(gate_records(gates), indent=1).encode())
 
 
 def dpo_gates(ev, cfg, base_acc=None):

@@ -107,12 +107,8 @@ def dpo_stage(r, stop_after=None):
         f.write(json.dumps({"event": "dpo_evidence", "step": cfg.steps + cfg.dpo_steps,
                             **{f"dpo_{k}": v for k, v in ev.items() if v is not None}}) + "\n")
     more = evidence.dpo_gates(ev, cfg, (getattr(r, "base", None) or {}).get("acc"))
-    for name, ok, why in more:
-        rep.say(f"  {'PASS' if ok else 'FAIL'}  {name}: {why}")
     r.gates = list(r.gates) + more
-    rep.event("gates", gates=[{"gate": n, "pass": ok, "detail": w} for n, ok, w in r.gates])
-    checkpoint.atomic_write(r.dir / "gates.json", json.dumps(
-        [{"gate": n, "pass": ok, "detail": w} for n, ok, w in r.gates], indent=1).encode())
+    evidence.publish_gates(rep, r.dir, r.gates, more)
     return ev
 
 
@@ -123,7 +119,7 @@ def export(r, dpo_ev=None):
     cfg = r.cfg
     dev = default_device().info
     summary = {"objective": cfg.objective, "sft_steps": r.step, "dpo_steps": cfg.dpo_steps if "dpo" in cfg.objective
-               else 0, "final": r.final, "gates": [{"name": n, "passed": ok, "detail": w} for n, ok, w in r.gates],
+               else 0, "final": r.final, "gates": evidence.gate_records(r.gates),
                "dpo": dpo_ev}
     extra = {"data": {k: {"file": getattr(cfg, k), "sha256": checkpoint.sha256_file(getattr(cfg, k))}
                       for k in ("train_file", "heldout_file", "preservation_file", "dpo_train_file", "dpo_heldout_file")

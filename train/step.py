@@ -18,12 +18,12 @@ import vkdsl
 from vkdsl.autograd import grad, rowwise
 from vkdsl.models.llama import head_in_chunks
 from vkdsl.ops import losses
+from vkdsl.ops.losses import IGNORE
 
 from .distributed import my_share, sum_over_ranks
 from .packing import Packing
 from .prefix import FrozenPrefix
 
-IGNORE = -100
 
 
 def select(labels: np.ndarray, bucket: int = 16):

@@ -386,9 +386,5 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
                 r.final = r.evaluate(final=True)
             r.gates = evidence.gates(r.final, r.first_loss, cfg)
             rep.say("gates:")
-            for name, ok, why in r.gates:
-                rep.say(f"  {'PASS' if ok else 'FAIL'}  {name}: {why}")
-            rep.event("gates", gates=[{"gate": n, "pass": ok, "detail": w} for n, ok, w in r.gates])
-            checkpoint.atomic_write(run_dir / "gates.json", json.dumps(
-                [{"gate": n, "pass": ok, "detail": w} for n, ok, w in r.gates], indent=1).encode())
+            evidence.publish_gates(rep, run_dir, r.gates, r.gates)
     return r
