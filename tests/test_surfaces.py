@@ -123,3 +123,11 @@ def test_final_evidence_carries_every_surface(fitted):
     assert f["stability_checkpoint"]["step"] == "base"
     names = [g[0] for g in evidence.gates(f, fitted.first_loss, fitted.cfg)]
     assert {"calibration", "format", "worst slice", "stability (fp32 base)"} <= set(names)
+
+
+@pytest.mark.parametrize("after, passes", [(0.750, False), (0.78125, True), (0.844, True), (0.90625, True)])
+def test_dpo_task_gate_allows_two_of_32_rows(after, passes):
+    # 27/32 after SFT; the default tolerance is 0.0625 (two rows of 32): 25/32 passes, 24/32 fails
+    from vkdsl.train.config import TrainConfig
+    name, ok, why = evidence.task_cost_gate(27 / 32, after, TrainConfig())
+    assert name == "DPO did not cost the task" and ok is passes and f"{after:.3f} after DPO" in why

@@ -311,10 +311,15 @@ def dpo_gates(ev, cfg, base_acc=None):
         g += surface_gates(ev["after"], cfg, base_acc, "after DPO: ")
         before, after = ev.get("sft_acc"), ev["after"].get("heldout_acc")
         if before is not None and after is not None:
-            g.append(("DPO did not cost the task", after >= before - cfg.gate_dpo_task_drop,
-                      f"held-out accuracy {before:.3f} after SFT -> {after:.3f} after DPO, "
-                      f">= {before:.3f} - {cfg.gate_dpo_task_drop}"))
+            g.append(task_cost_gate(before, after, cfg))
     return g
+
+
+def task_cost_gate(before, after, cfg):
+    """DPO must not cost the task: held-out accuracy after DPO within gate_dpo_task_drop of SFT's."""
+    return ("DPO did not cost the task", after >= before - cfg.gate_dpo_task_drop,
+            f"held-out accuracy {before:.3f} after SFT -> {after:.3f} after DPO, >= {before:.3f} - "
+            f"{cfg.gate_dpo_task_drop}")
 
 
 def table(ev) -> str:
