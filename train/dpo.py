@@ -23,7 +23,7 @@ from vkdsl.autograd import grad
 from vkdsl.ops import losses
 
 from . import checkpoint, loop
-from .data import IGNORE, DataError, Example, collate, encode_row, read_jsonl
+from .data import IGNORE, DataError, Example, Sampler, collate, encode_row, read_jsonl
 from .distributed import Single, my_share, sum_over_ranks
 from .evidence import Scorer
 from .prefix import FrozenPrefix
@@ -171,27 +171,15 @@ def margin_story(ev: dict) -> str:
     return f"{100 * max(share, 1 - share):.0f}% of the margin came from {side} ({detail})"
 
 
-class PairOrder:
-    """The DPO stage's pair order: seeded permutations, concatenated, taken `per_step` at a time;
-    state() / set_state() resume it (the shape of data.Sampler's)."""
+class PairOrder(Sampler):
+    """The DPO stage's pair order: seeded permutations of the n pairs, concatenated, taken
+    per_step at a time (data.Sampler without its length grouping; the same state())."""
 
     def __init__(self, n, per_step, seed):
-        self.n, self.per_step = n, per_step
-        self.rng = np.random.default_rng(seed)
-        self.queue = []
+        super().__init__(range(n), per_step, seed)
 
-    def next(self) -> list[int]:
-        while len(self.queue) < self.per_step:
-            self.queue += self.rng.permutation(self.n).tolist()
-        out, self.queue = self.queue[:self.per_step], self.queue[self.per_step:]
-        return out
-
-    def state(self):
-        return {"rng": self.rng.bit_generator.state, "queue": list(self.queue)}
-
-    def set_state(self, st):
-        self.rng.bit_generator.state = st["rng"]
-        self.queue = list(st["queue"])
+    def _refill(self):
+        self.queue += self.rng.permutation(len(self.ex)).tolist()
 
 
 class DpoObjective:

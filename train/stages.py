@@ -29,8 +29,8 @@ def _dpo_loop(r, obj, opt, stop_after=None):
             raise checkpoint.CheckpointError(f"{path}: DPO was checkpointed from another adapter than the one this "
                                              f"run reaches before DPO (adapter {meta.get('start_adapter')} vs "
                                              f"{start_sum}, or other modules): refusing to resume inside DPO")
-        checkpoint.check_order(path, meta, dpo.PairOrder(obj.order.n, obj.order.per_step, cfg.data_seed),
-                               f"data_seed {cfg.data_seed}, {obj.order.per_step} pairs per step")
+        checkpoint.check_order(path, meta, dpo.PairOrder(len(obj.order.ex), obj.order.n, cfg.data_seed),
+                               f"data_seed {cfg.data_seed}, {obj.order.n} pairs per step")
         for p, a in zip(r.params, params):
             p.assign(vkdsl.tensor(a))
         opt.load(state)
