@@ -14,6 +14,10 @@ from vkdsl.runtime.errors import DeviceNotFound, VulkanError
 # Anything else is a bug in vkdsl and keeps its traceback.
 USER_ERRORS = (ValueError, OSError, DeviceNotFound, VulkanError, NoCompiler)
 
+# Exit statuses: 0 done (every gate passed), 1 an error, 2 a usage error of the command line (click's),
+# 3 the job ran to the end and a gate (or a probe's expectation) failed.
+GATE_FAILED = 3
+
 
 def user_error_line(e: BaseException) -> str:
     return str(e) or type(e).__name__
@@ -25,8 +29,8 @@ class Commands(click.Group):
 
     def invoke(self, ctx):
         try:
-            from vkdsl.precision import current
-            current()                       # a bad $VKDSL_PRECISION: one line before any work
+            from vkdsl.environment import check_environment
+            check_environment()             # a bad $VKDSL_*: one line before any work
             return super().invoke(ctx)
         except USER_ERRORS as e:
             if os.environ.get("VKDSL_DEBUG") == "1":

@@ -30,12 +30,20 @@ def _load_model(model_path, quant="keep", adapter=None, force=False):
     return model, tok
 
 
-def _prompt_ids(tok, prompt, chat):
+def _prompt_ids(tok, prompt, chat, context=None, what="--prompt"):
+    """The prompt's token ids: at least one, and within the model's context when one is given."""
     if not chat:
-        return tok.encode(prompt)
-    # the template writes its own BOS where it wants one (Llama 3's, Mistral's): add none again
-    return tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True),
-                      add_special=False)
+        ids = tok.encode(prompt)
+    else:
+        # the template writes its own BOS where it wants one (Llama 3's, Mistral's): add none again
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True),
+                         add_special=False)
+    if not ids:
+        raise click.ClickException(f"{what} {prompt!r} tokenizes to no tokens"
+                                   + (" (the chat template renders nothing)" if chat else ""))
+    if context is not None and len(ids) > context:
+        raise click.ClickException(f"{what} is {len(ids)} tokens; the model's context is {context}")
+    return ids
 
 
 @click.command()
@@ -61,12 +69,7 @@ def logits(device, model_path, prompt, out, chat, adapter, force):
     """Write the logits of every prompt position (float32, [tokens, vocab]) to FILE.npy."""
     open_device(device)
     model, tok = _load_model(model_path, adapter=adapter, force=force)
-    ids = _prompt_ids(tok, prompt, chat)
-    if not ids:
-        raise click.ClickException("the prompt tokenizes to no tokens")
-    if len(ids) > model.cfg.context_length:
-        raise click.ClickException(f"the prompt is {len(ids)} tokens; the model's context is "
-                                   f"{model.cfg.context_length}")
+    ids = _prompt_ids(tok, prompt, chat, model.cfg.context_length)
     from vkdsl.models.llama import LogitsFn
     lg = LogitsFn(model)(np.array([ids], np.int32))[0]       # the head in chunks a binding holds
     buf = io.BytesIO()
@@ -95,7 +98,7 @@ def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_
     from vkdsl.models.generate import Generator
     open_device(device)
     model, tok = _load_model(model_path, adapter=adapter, force=force)
-    ids = _prompt_ids(tok, prompt, chat)
+    ids = _prompt_ids(tok, prompt, chat, model.cfg.context_length)
     try:
         gen = Generator(model, len(ids) + max_new_tokens, kv_dtype={"f32": "float32", "f16": "float16"}[kv_cache])
     except ValueError as e:
@@ -141,7 +144,7 @@ def merge(device, model_path, adapter, out, out_type, compare_text, force, as_js
     base = model_path or default_model_path()
     try:
         report = run(base, adapter, out, out_type=out_type, force=force)
-        ids = load_tokenizer(base).encode(compare_text)
+        ids = _prompt_ids(load_tokenizer(base), compare_text, False, what="--compare")
         report["compare"] = compare_logits(base, adapter, out, [ids], force=force)
     except (ModelFileError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e))

@@ -1,6 +1,6 @@
 """`vkdsl probe NAME`: one LoRA experiment per command (vkdsl.train.probes), its table, its
-expectations beside its measurements, a report with --out; exit 2 when a structural expectation
-fails. `vkdsl probe --list` names them; `vkdsl probe NAME --help` says its parameters and time."""
+expectations beside its measurements, a report with --out; exit 3 (GATE_FAILED) when a structural
+expectation fails. `vkdsl probe --list` names them; `vkdsl probe NAME --help` says its parameters and time."""
 from __future__ import annotations
 
 import inspect
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from .common import USER_ERRORS, open_device, user_error_line
+from .common import GATE_FAILED, USER_ERRORS, open_device, user_error_line
 
 
 def _listing() -> str:
@@ -48,7 +48,7 @@ def _command(p) -> click.Command:
             click.echo(f"  ({res.seconds:.0f} s)")
         if out:
             click.echo(f"report: {write_report(res, p, Path(out))}", err=True)
-        sys.exit(0 if res.passed else 2)
+        sys.exit(0 if res.passed else GATE_FAILED)
 
     doc = inspect.cleandoc(p.run.__doc__ or "")
     return click.Command(

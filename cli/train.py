@@ -20,7 +20,7 @@ import click
 
 from vkdsl.train import config as C
 
-from .common import USER_ERRORS, _set_profile, golden_cases, open_device, user_error_line
+from .common import GATE_FAILED, USER_ERRORS, _set_profile, golden_cases, open_device, user_error_line
 
 TYPES = {bool: None, int: click.INT, float: click.FLOAT, str: click.STRING, list: click.STRING}
 VERIFY_MATCH = ("matmul", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu", "cross", "tmkl", "lora")
@@ -63,7 +63,8 @@ def _verify(rep, precision):
 
 
 def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
-    """The run's settings and folder: defaults <- TOML <- flags, or a resumed run's own config <- flags."""
+    """The run's settings and folder: defaults <- TOML <- flags, or a resumed run's own config <- flags
+    (the settings a resume changes are in .changed: (name, saved, now))."""
     if resume:
         saved = Path(resume) / "config.json"
         if not saved.is_file():
@@ -74,10 +75,45 @@ def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
             raise C.ConfigError(f"{saved}: not the run's settings as JSON ({e})") from None
         if not isinstance(values, dict):
             raise C.ConfigError(f"{saved}: expected an object of settings, found {type(values).__name__}")
-        return C.load(None, {**values, **over}), resume
+        if config_path:
+            raise C.ConfigError(f"--resume {resume} runs with its own config.json; --config {config_path} would "
+                                f"replace it (give changed settings as flags)")
+        cfg = C.load(None, {**values, **over})
+        saved = C.load(None, values)
+        cfg.changed = [(k, getattr(saved, k), getattr(cfg, k)) for k in over
+                       if getattr(saved, k) != getattr(cfg, k)]
+        return cfg, resume
     cfg = C.load(config_path, over)
     cfg.out = cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, cfg.out
+
+
+def _fresh_folder(out: str, overwrite: bool):
+    """A new run's folder is empty: a run's records there (config, checkpoint, metrics) would be
+    replaced or appended to. --overwrite empties a run folder first, and only a run folder."""
+    path = Path(out)
+    if not path.is_dir() or not any(path.iterdir()):
+        return
+    leftovers = {p.name for p in path.iterdir()} <= {"train.log"}      # a run killed before config.json
+    if not overwrite:
+        of_a_run = " of a run" if (path / "config.json").is_file() else ""
+        raise C.ConfigError(f"--out {out} already holds files{of_a_run}: continue it with --resume {out}, "
+                            f"or start over with --overwrite (which empties it)")
+    if not ((path / "config.json").is_file() or leftovers):
+        raise C.ConfigError(f"--overwrite: {out} is not a run folder (no config.json); refusing to empty it")
+    import shutil
+    for p in path.iterdir():
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
+def _record_changes(cfg, out, rep):
+    """Settings a resume changes: printed, and config.json rewritten (atomically) to what now runs."""
+    changed = getattr(cfg, "changed", [])
+    for k, old, new in changed:
+        rep.outcome(f"resume: {k} changed from {json.dumps(old)} to {json.dumps(new)} (given now)")
+    if changed:
+        from vkdsl.train.checkpoint import atomic_write
+        atomic_write(Path(out) / "config.json", cfg.dumps().encode())
 
 
 def _ranks(g, cfg, out):
@@ -86,10 +122,13 @@ def _ranks(g, cfg, out):
     private scratch folder (only rank 0 writes checkpoints, adapters, manifest and report)."""
     from vkdsl.train import distributed
     out = cfg.out = g.bcast(out)             # rank 0's folder (a default one is named by its clock)
-    distributed.same_settings(g, cfg.dumps())
+    # the settings and what the environment changes about the computation: the capability profile
+    profile = os.environ.get("VKDSL_PROFILE", "").strip() or "none"
+    distributed.same_settings(g, cfg.dumps() + f"\nprofile {profile}")
     distributed.pick_device(g)
     dev = open_device(None, announce=False).info
-    mine = f"rank {g.rank}: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info})"
+    mine = (f"rank {g.rank}: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info}), profile {profile}, "
+            f"precision {cfg.precision}")
     table = g.allgather(mine)
     if g.root:
         click.echo(f"vkdsl-train: {g.size} processes over MPI, one adapter; global batch "
@@ -98,18 +137,31 @@ def _ranks(g, cfg, out):
             click.echo("  " + line, err=True)
         return out, table
     import tempfile
-    cfg.quiet = True
+    cfg.quiet = True                        # rank 0 alone prints, the outcome lines too
+    sys.stdout = open(os.devnull, "w")
     return tempfile.mkdtemp(prefix=f"vkdsl-rank{g.rank}-"), table
 
 
-def _run(config_path, resume, over, mode="auto") -> int:
+def _run(config_path, resume, over, mode="auto", overwrite=False) -> int:
     from vkdsl.train import distributed
     from vkdsl.train.progress import Reporter
     from vkdsl.train.stages import dpo_stage, export
     from vkdsl.precision import matmul_precision
     from vkdsl.train.trainer import run
+    from vkdsl.environment import check_environment
+    check_environment()                     # a bad $VKDSL_*: one line before any work
     cfg, out = settings(config_path, resume, over)
+    env_precision = os.environ.get("VKDSL_PRECISION", "").strip()
+    if env_precision and env_precision != cfg.precision:
+        Reporter(None, cfg.quiet, cfg.jsonl).say(
+            f"VKDSL_PRECISION={env_precision} is set; this run computes at its precision setting, "
+            f"{cfg.precision} (--precision)")
     g = distributed.group(mode)
+    if g.root:
+        if resume:
+            _record_changes(cfg, out, Reporter(None, cfg.quiet, cfg.jsonl))
+        else:
+            _fresh_folder(out, overwrite)
     devices = None
     if g.size > 1:
         out, devices = _ranks(g, cfg, out)
@@ -130,17 +182,17 @@ def _run(config_path, resume, over, mode="auto") -> int:
             import shutil
             shutil.rmtree(out, ignore_errors=True)
     from vkdsl.trace import BUILT
-    r.r.say(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training {r.train_seconds:.0f}s; "
+    r.r.outcome(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training {r.train_seconds:.0f}s; "
             f"{BUILT['programs']} device programs built in {BUILT['seconds']:.0f}s)")
-    return 0 if all(ok for _, ok, _ in r.gates) else 2
+    return 0 if all(ok for _, ok, _ in r.gates) else GATE_FAILED
 
 
-def _main(config_path, resume, distributed="auto", **values):
+def _main(config_path, resume, distributed="auto", overwrite=False, **values):
     over = {k: v for k, v in values.items() if v is not None}
     from vkdsl.train.distributed import DistributedError
     from vkdsl.train.trainer import TrainingStopped
     try:
-        code = _run(config_path, resume, over, distributed)
+        code = _run(config_path, resume, over, distributed, overwrite)
     except (*USER_ERRORS, TrainingStopped, DistributedError, click.ClickException) as e:
         if os.environ.get("VKDSL_DEBUG") == "1":
             raise
@@ -161,6 +213,8 @@ train = click.Command(
                          help="TOML file of settings (keys = setting names)"),
             click.Option(["--resume"], type=click.Path(file_okay=False), default=None,
                          help="continue the run in this folder from its last checkpoint"),
+            click.Option(["--overwrite"], is_flag=True, default=False,
+                         help="start a new run in an --out folder that holds an earlier run, emptying it first"),
             click.Option(["--distributed"], type=click.Choice(["auto", "mpi", "none"]), default="auto",
                          show_default=True, help="data-parallel over MPI: auto = when started by mpirun"),
             click.Option(["--profile"], default=None, metavar="NAME", expose_value=False, callback=_set_profile,
@@ -188,6 +242,7 @@ def parse(argv) -> tuple[str | None, str | None, dict]:
     ctx = train.make_context("vkdsl-train", list(argv))
     p = dict(ctx.params)
     p.pop("distributed")                    # how the run is launched, not a setting of the run
+    p.pop("overwrite")
     return p.pop("config_path"), p.pop("resume"), {k: v for k, v in p.items() if v is not None}
 
 
@@ -202,7 +257,8 @@ def _boolean_with_a_value(argv):
 
 
 def main(argv=None) -> int:
-    """The vkdsl-train entry point: the exit status (0 all gates pass, 2 a gate failed, 1 an error)."""
+    """The vkdsl-train entry point: the exit status (0 all gates pass, 1 an error or a usage error,
+    GATE_FAILED a gate failed)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     hint = _boolean_with_a_value(argv)
     if hint:

@@ -8,7 +8,7 @@ import time
 import click
 import numpy as np
 
-from .common import device_option, golden_cases, json_option, open_device
+from .common import GATE_FAILED, device_option, golden_cases, json_option, open_device
 
 
 def load_op_rows():
@@ -93,11 +93,39 @@ def _job_command(job: str) -> list[str]:
     if not argv or argv[0] not in ("vkdsl", "vkdsl-train") or argv[1:2] == ["compile"]:
         raise click.BadParameter(f"{job!r}: expected a vkdsl or vkdsl-train command line (not vkdsl compile)",
                                  param_hint="--for")
+    _check_parses(job, argv)
     return [sys.executable, "-m", "vkdsl.cli"] + (["train"] if argv[0] == "vkdsl-train" else []) + argv[1:]
 
 
+def _check_parses(job: str, argv: list[str]):
+    """Parse a job's command line (and a training job's settings) the way it will be run, so that a
+    usage error is reported now rather than recorded as a job that never ran."""
+    group = click.get_current_context().find_root().command      # `vkdsl` itself (no import cycle)
+    try:
+        cmd, args, name = group, (["train"] if argv[0] == "vkdsl-train" else []) + argv[1:], "vkdsl"
+        while isinstance(cmd, click.Group):
+            if not args or args[0].startswith("-"):
+                raise click.UsageError(f"expected a command of {name}: {', '.join(cmd.list_commands(None))}")
+            sub = cmd.get_command(click.Context(cmd), args[0])
+            if sub is None:
+                raise click.UsageError(f"no command {args[0]!r} in {name}")
+            cmd, args, name = sub, args[1:], f"{name} {args[0]}"
+        ctx = cmd.make_context(name, list(args))
+        if name == "vkdsl train":            # and a new run's settings load (a resume's are its own)
+            from vkdsl.train import config as C
+            p = {k: v for k, v in ctx.params.items() if v is not None}
+            if not p.get("resume"):
+                C.load(p.get("config_path"), {k: v for k, v in p.items() if k in C.FIELDS})
+    except (click.ClickException, ValueError) as e:
+        msg = e.format_message() if isinstance(e, click.ClickException) else str(e)
+        raise click.BadParameter(f"{job!r} does not parse: {msg}", param_hint="--for") from None
+    except click.exceptions.Exit:
+        raise click.BadParameter(f"{job!r} only prints (--help or --version): nothing to record",
+                                 param_hint="--for") from None
+
+
 def _record(bundle, job, cmd) -> int:
-    """Run one job with $VKDSL_SPIRV_RECORD=bundle; a vkdsl-train whose gates fail (exit 2) still counts."""
+    """Run one job with $VKDSL_SPIRV_RECORD=bundle; a job whose gates fail (GATE_FAILED) still counts."""
     import os
     import subprocess
     from vkdsl.compiler import bundle as B
@@ -105,7 +133,7 @@ def _record(bundle, job, cmd) -> int:
     env["VKDSL_SPIRV_RECORD"] = os.path.abspath(bundle)
     click.echo(f"recording {job!r} (it runs once)")
     code = subprocess.run(cmd, env=env).returncode
-    if code not in ((0, 2) if cmd[3:4] == ["train"] else (0,)):
+    if code not in (0, GATE_FAILED):
         raise click.ClickException(f"--for {job!r} exited {code}; the bundle keeps the kernels it used before "
                                    f"failing, and does not list the job")
     return B.add(bundle, {}, {"jobs": [job]})

@@ -98,6 +98,9 @@ def config_from_gguf(reader: GGUFReader, path: Path | str) -> LlamaConfig:
         return read_key(reader, f"{arch}.{name}", default, path=path)
 
     dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
+    if n_heads <= 0 or (key("attention.key_length", None) is None and dim % n_heads):
+        raise ModelFileError(f"{path}: {arch}.embedding_length {dim} is not divisible by {arch}.attention.head_count "
+                             f"{n_heads} (and no attention.key_length is given)")
     head_dim = int(key("attention.key_length", dim // n_heads))
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise ModelFileError(f"{path}: {arch}.attention.value_length differs from key_length; "

@@ -7,6 +7,7 @@ Q and K rows are permuted into llama.cpp's order so one forward serves both form
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -171,6 +172,7 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
     kind = cfg.get("model_type")
     if kind not in _HF_ARCHS:
         raise ModelFileError(f"{path}: model_type is {kind!r}; supported: {', '.join(map(repr, _HF_ARCHS))}")
+    _check_types(cfg, path)
     context = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
     # Qwen configs name a window but switch it on with use_sliding_window; Mistral's is on when set
@@ -195,6 +197,9 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
             (None if value is None or isinstance(value, list) else int(value))
 
     dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    if not cfg.get("head_dim") and dim % n_heads:
+        raise ModelFileError(f"{path}: hidden_size {dim} is not divisible by num_attention_heads {n_heads} "
+                             f"(and no head_dim is given)")
     try:
         return LlamaConfig(
             n_layers=int(cfg["num_hidden_layers"]), dim=dim, n_heads=n_heads,
@@ -208,6 +213,23 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
             pad_id=first_id("pad_token_id"), rope_freq_divisors=divisors, arch=_HF_ARCHS[kind])
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
+
+
+# config.json keys read as numbers, and their JSON kind: a wrong-typed value is named by key
+_INT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "intermediate_size", "vocab_size", "max_position_embeddings", "sliding_window")
+_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
+
+
+def _check_types(cfg: dict, path: Path):
+    for key in _INT_KEYS + _FLOAT_KEYS:
+        v = cfg.get(key)
+        if v is None:
+            continue
+        ok = isinstance(v, int) if key in _INT_KEYS else isinstance(v, (int, float)) and math.isfinite(v)
+        if isinstance(v, bool) or not ok or (key in _INT_KEYS and v <= 0):
+            want = "a positive integer" if key in _INT_KEYS else "a finite number"
+            raise ModelFileError(f"{path}: {key} = {json.dumps(v)}, expected {want}")
 
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

@@ -105,6 +105,32 @@ def check_tensors(tensors: dict[str, TensorRecord], cfg: LlamaConfig, source: Pa
         if rec.raw.dtype != np.uint8 or rec.nbytes != n_bytes:
             raise ModelFileError(f"{source}: tensor {name!r} holds {rec.nbytes} bytes, expected "
                                  f"{n_bytes} for {rec.ggml_type} {shape} (truncated or corrupt)")
+    for name, rec in tensors.items():
+        # a NaN or Inf weight or block scale makes every logit NaN: refuse it at load, by name
+        bad = nonfinite(rec)
+        if bad:
+            raise ModelFileError(f"{source}: tensor {name!r} holds {bad} non-finite value(s) "
+                                 f"{'' if rec.ggml_type in ('F32', 'F16') else 'in its block scales '}"
+                                 f"(a damaged file?)")
+
+
+# Byte offsets of the fp16 fields in one block of each quantized type (d; m or dmin): the only
+# fields that can hold a NaN or Inf, the rest being small integers. Checked against gguf's own
+# dequantize in tests/test_hostile_input.py.
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def nonfinite(rec: TensorRecord) -> int:
+    """How many of a tensor's stored floats are NaN or Inf: its values (F32, F16) or its blocks'
+    scales (a few ms for SmolLM2-135M, where dequantizing every tensor takes ~2 s)."""
+    flat = np.ascontiguousarray(rec.raw).reshape(-1)
+    if rec.ggml_type in ("F32", "F16"):
+        vals = flat.view("<f4" if rec.ggml_type == "F32" else "<f2")
+    else:
+        blocks = flat.reshape(-1, block_bytes(rec.ggml_type)[1])
+        vals = np.concatenate([np.ascontiguousarray(blocks[:, o:o + 2]).view("<f2").reshape(-1)
+                               for o in F16_FIELDS[rec.ggml_type]])
+    return int(np.count_nonzero(~np.isfinite(vals)))
 
 
 @dataclass(frozen=True)

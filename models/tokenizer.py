@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from jinja2 import TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
@@ -110,11 +111,14 @@ class Tokenizer:
     """encode/decode plus the model's chat template. Build with from_gguf or from_hf."""
 
     def __init__(self, engine: _HFTokenizer, *, bos_id: int | None, eos_id: int | None,
-                 pad_id: int | None, chat_template: str | None, source: Path):
+                 pad_id: int | None, chat_template: str | None, source: Path,
+                 template_origin: str | None = None):
         self._engine = engine
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.chat_template = chat_template
         self.source = source
+        # where the template text came from, for its errors: a file, or a GGUF file and key
+        self.template_origin = template_origin or str(source)
         self._template = (None, None)        # (source text, compiled): compiling costs ~6 ms a row
         self._turn_end = (None, None)        # (template it was found in, token id)
 
@@ -164,13 +168,24 @@ class Tokenizer:
         """Render the model's own Jinja chat template (sandboxed) to a string."""
         if not self.chat_template:
             raise ModelFileError(f"{self.source}: no chat template in the model files")
-        if self._template[0] != self.chat_template:
-            self._template = (self.chat_template, self._compile_template())
         token = lambda i: None if i is None else self._engine.id_to_token(i)  # noqa: E731
-        return self._template[1].render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=token(self.bos_id) or "", eos_token=token(self.eos_id) or "",
-            pad_token=token(self.pad_id) or "", **extra)
+        try:
+            if self._template[0] != self.chat_template:
+                self._template = (self.chat_template, self._compile_template())
+            return self._template[1].render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=token(self.bos_id) or "", eos_token=token(self.eos_id) or "",
+                pad_token=token(self.pad_id) or "", **extra)
+        except ModelFileError:
+            raise
+        except TemplateSyntaxError as e:
+            raise ModelFileError(f"{self.template_origin}: chat template line {e.lineno}: {e.message}") from None
+        except (TemplateError, ArithmeticError, TypeError, ValueError, LookupError, AttributeError,
+                RecursionError) as e:
+            # the sandbox's refusals (SecurityError), undefined names, and what a template's own
+            # arithmetic or indexing raises (OverflowError of a huge range, ...): the template's fault
+            raise ModelFileError(f"{self.template_origin}: chat template failed to render: "
+                                 f"{type(e).__name__}: {e}") from None
 
     def _compile_template(self):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -233,7 +248,8 @@ class Tokenizer:
         _set_post_processor(engine, tokens, bos=ids["bos"] if add_bos else None,
                             eos=ids["eos"] if add_eos else None)
         return cls(engine, bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["padding"],
-                   chat_template=key("tokenizer.chat_template", None), source=path)
+                   chat_template=key("tokenizer.chat_template", None), source=path,
+                   template_origin=f"{path} (GGUF key tokenizer.chat_template)")
 
     @classmethod
     def from_hf(cls, folder: str | os.PathLike, expected_vocab: int | None = None) -> "Tokenizer":
@@ -263,13 +279,14 @@ class Tokenizer:
                 else None
 
         template = tcfg.get("chat_template")
+        origin = f"{folder / 'tokenizer_config.json'} (chat_template)"
         if isinstance(template, list):   # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         jinja_file = folder / "chat_template.jinja"
         if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
+            template, origin = jinja_file.read_text(), str(jinja_file)
         return cls(engine, bos_id=special("bos"), eos_id=special("eos"), pad_id=special("pad"),
-                   chat_template=template, source=folder)
+                   chat_template=template, source=folder, template_origin=origin)
 
 
 def load_tokenizer(path: str | os.PathLike, expected_vocab: int | None = None, reader=None) -> Tokenizer:

@@ -58,7 +58,7 @@ def test_a_recorded_training_job_runs_from_the_bundle_identically(job):
     import subprocess
     p = subprocess.run([TRAIN, *train[1:], "--out", str(tmp / "without")], capture_output=True, text=True,
                        env=_offline(tmp, bundle), timeout=600)
-    assert p.returncode in (0, 2), p.stderr[-3000:]        # 2: a gate of the one-step run failed, not the run
+    assert p.returncode in (0, 3), p.stderr[-3000:]        # 3: a gate of the one-step run failed, not the run
     a, b = np.load(tmp / "with" / "adapter.npz"), np.load(tmp / "without" / "adapter.npz")
     assert sorted(a.files) == sorted(b.files)
     for k in a.files:

@@ -60,7 +60,7 @@ def test_two_ranks_train_the_single_process_adapter(setup):
     single = run(one, one.out)
     p = _mpirun(2, ["--config", _toml(tmp / "two.toml", one, grad_accum=1), "--out", str(tmp / "two")])
     out, err = p.communicate(timeout=600)
-    assert p.returncode in (0, 2), err[-3000:]           # 2: a gate of the tiny run failed, not the run
+    assert p.returncode in (0, 3), err[-3000:]           # 3: a gate of the tiny run failed, not the run
     assert "2 processes over MPI" in err and "rank 1: [" in err, err[-3000:]
     a, b = np.load(tmp / "one" / "adapter.npz"), np.load(tmp / "two" / "adapter.npz")
     assert sorted(a.files) == sorted(b.files)
@@ -131,7 +131,7 @@ def test_two_ranks_resume_the_killed_run_as_one_process_would(killed, tmp_path):
     except subprocess.TimeoutExpired:
         p.kill()
         pytest.fail("the resumed two-rank run did not finish in 120 s")
-    assert p.returncode in (0, 2), err[-3000:]
+    assert p.returncode in (0, 3), err[-3000:]
     said = out + err
     assert "resumed from" in said and "base evaluation reused" in said, said[-3000:]
     from vkdsl.cli.train import settings
@@ -206,10 +206,10 @@ def test_two_ranks_train_dpo_as_one_process_with_their_global_batch(setup):
     extra = dict(dpo_train_file=train_p, dpo_heldout_file=held_p, dpo_steps=3, dpo_lr=0.005)
     from vkdsl.cli.train import main
     code = main(["--config", _toml(tmp / "dpo1.toml", cfg, dpo_batch=2, **extra), "--out", str(tmp / "dpo1")])
-    assert code in (0, 2)
+    assert code in (0, 3)
     p = _mpirun(2, ["--config", _toml(tmp / "dpo2.toml", cfg, dpo_batch=1, **extra), "--out", str(tmp / "dpo2")])
     out, err = p.communicate(timeout=300)
-    assert p.returncode in (0, 2), err[-3000:]
+    assert p.returncode in (0, 3), err[-3000:]
     from safetensors.numpy import load_file
     a, b = (load_file(tmp / d / "adapter" / "adapter_model.safetensors") for d in ("dpo1", "dpo2"))
     assert sorted(a) == sorted(b)

@@ -263,7 +263,7 @@ def test_vkdsl_train_at_fp16_says_which_kernel_and_verifies_the_fp16_rows(tmp_pa
     rc = main(["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
                "--labels", "low,medium,high", "--max-len", "64", "--bucket", "16", "--rank", "4", "--steps", "2",
                "--warmup", "1", "--verify", "--out", str(out), "--precision", "fp16", "--objective", "sft"])
-    assert rc in (0, 2)                                     # two steps need not pass the accuracy gates
+    assert rc in (0, 3)                                     # two steps need not pass the accuracy gates
     text = capsys.readouterr().out
     assert "precision fp16: matmul variant gpu16, fp16 shared-memory tiles" in text
     from vkdsl.cli.verify import load_op_rows

@@ -144,10 +144,10 @@ def test_cli_list_unknown_set_json_out(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["probe", "lowrank", "--set", "nope=1"])
     assert e.value.code == 1 and "steps=400" in capsys.readouterr().err
-    # too few steps: the six-orders expectation fails -> exit 2, JSON rows, report written
+    # too few steps: the six-orders expectation fails -> GATE_FAILED (not click's usage status 2)
     with pytest.raises(SystemExit) as e:
         main(["probe", "lowrank", "--set", "steps=5", "--json", "--out", str(tmp_path)])
-    assert e.value.code == 2
+    assert e.value.code == 3
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert any(x.get("pass") is False for x in lines) and any("row" in x for x in lines)
     saved = json.loads((tmp_path / "lowrank.json").read_text())

@@ -27,7 +27,7 @@ def runs(tmp_path_factory):
               "--dpo-train-file", prefs, "--dpo-heldout-file", prefs, "--dpo-steps", "2", "--no-verify", "--quiet"]
     out = []
     for name, extra in (("a", []), ("b", ["--lr", "5e-3"])):
-        assert train_main(common + extra + ["--out", str(d / name)]) in (0, 2)     # 2: a gate failed
+        assert train_main(common + extra + ["--out", str(d / name)]) in (0, 3)     # 3: a gate failed
         out.append(d / name)
     return out
 

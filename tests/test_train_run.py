@@ -110,13 +110,13 @@ def test_cli_run_writes_evidence_and_gates(setup, tmp_path, capsys):
                "--labels", "low,medium,high", "--max-len", "64", "--bucket", "16", "--rank", "4", "--steps", "3",
                "--no-verify", "--jsonl", "--out", str(out), "--tmkl", "0.1", "--lr", "0.01", "--warmup", "1",
                "--dpo-train-file", str(prefs), "--dpo-heldout-file", str(prefs), "--dpo-steps", "2"])
-    assert rc in (0, 2)
+    assert rc in (0, 3)
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     kinds = [x["event"] for x in lines]
     assert kinds.count("step") == 3 and "eval" in kinds and "gates" in kinds
     ev = [x for x in lines if x["event"] == "eval"][-1]
     lo, hi = ev["heldout_acc_ci"]
-    assert lo <= ev["heldout_acc"] <= hi and ev["heldout_n"] == 3      # the "chat" row is not a label row
+    assert lo <= ev["heldout_acc"] <= hi and ev["heldout_n"] == 4      # every held-out row is a label row
     assert ev["merge_max_diff"] < 1e-3
     assert (out / "metrics.jsonl").is_file() and (out / "gates.json").is_file() and (out / "adapter.npz").is_file()
     assert json.loads((out / "config.json").read_text())["steps"] == 3
@@ -143,7 +143,7 @@ def test_single_token_label_scoring_equals_candidate_scoring(setup, tmp_path):
     from fixtures.train_data import write_jsonl
     held = write_jsonl(tmp_path / "h.jsonl", [{"prompt": p, "completion": c, "category": "x"} for p, c in
                                               [("Is it down?", "fox"), ("A theme", "dog"), ("Bills", "the"),
-                                               ("Hi", "cat food")]])
+                                               ("Hi", "fox")]])
     cfg = tiny_cfg(setup, heldout_file=held, labels=["fox", "dog", "the"], steps=1)
     r = Run(cfg, tmp_path / "s", Reporter(None, quiet=True))
     r.params[1].assign(__import__("vkdsl").tensor(np.full(r.params[1].shape, 0.05, np.float32)))
@@ -152,7 +152,7 @@ def test_single_token_label_scoring_equals_candidate_scoring(setup, tmp_path):
     fast = r.held.scores(True)
     r.held.extra = None
     slow = r.held.scores(True)
-    assert (fast["k"], fast["n"]) == (slow["k"], slow["n"]) and slow["n"] == 3
+    assert (fast["k"], fast["n"]) == (slow["k"], slow["n"]) and slow["n"] == 4
     assert fast["heldout_loss"] == pytest.approx(slow["heldout_loss"], rel=1e-5)
 
 
@@ -164,7 +164,7 @@ def test_dpo_only_run_has_no_sft_gates(setup, tmp_path, capsys):
     rc = main(["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
                "--labels", "low,medium,high", "--max-len", "64", "--rank", "4", "--objective", "dpo", "--no-verify",
                "--quiet", "--out", str(out), "--dpo-train-file", str(prefs), "--dpo-steps", "2", "--dpo-batch", "4"])
-    assert rc in (0, 2)
+    assert rc in (0, 3)
     names = [g["gate"] for g in json.loads((out / "gates.json").read_text())]
     assert "train loss fell" not in names and "held-out accuracy" not in names      # no SFT-stage gates
     assert {"DPO held-out pairs", "preservation after DPO", "after DPO: format"} <= set(names)

@@ -123,6 +123,11 @@ def check_identity(meta, identity):
             what = "base model file" if k == "base_sha256" else "tokenizer"
             raise CheckpointError(f"refusing to resume: the {what} differs from the run's "
                                   f"({k} {str(meta.get(k))[:12]}... vs {identity[k][:12]}...)")
+    for k, what in (("train_sha256", "train_file"), ("dpo_train_sha256", "dpo_train_file")):
+        # the rows a run trains on are part of what it is (checkpoints before this key: not checked)
+        if k in meta and k in identity and meta[k] != identity[k]:
+            raise CheckpointError(f"refusing to resume: the {what}'s content differs from the one the run trained on "
+                                  f"({k} {str(meta[k])[:12]}... vs {identity[k][:12]}...); start a new run for new data")
     if meta.get("precision", "fp32") != identity.get("precision", "fp32"):
         raise CheckpointError(f"refusing to resume: the run's matmuls were at precision {meta.get('precision', 'fp32')}, "
                               f"this config asks for {identity.get('precision', 'fp32')}")
@@ -137,18 +142,3 @@ def remove_stale_temps(run_dir) -> list[Path]:
     for p in stale:
         p.unlink()
     return stale
-
-
-def mark_resume(metrics: Path, step: int):
-    """Drop the records of steps after the checkpoint (they run again) and mark the resume."""
-    keep = []
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue                       # a line cut by the kill
-            if rec.get("step", 0) <= step:
-                keep.append(line)
-    keep.append(json.dumps({"event": "resume", "step": step}))
-    atomic_write(metrics, ("\n".join(keep) + "\n").encode())

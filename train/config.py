@@ -27,6 +27,7 @@ class TrainConfig:
     heldout_file: str = str(DATA / "routing_heldout.jsonl")
     preservation_file: str = str(DATA / "preservation.jsonl")
     labels: list = field(default_factory=lambda: ["payment", "account", "tech", "product"])
+    label_eval: bool = True                          # held-out rows scored as label decisions (gates)
     chat_template: bool = True                       # wrap prompt/completion as user/assistant turns
     max_len: int = 96
     truncation_side: str = "left"                    # left: drop the prompt's start; right: the completion's end
@@ -100,6 +101,11 @@ class TrainConfig:
             (self.quant in ("keep", "none", "int4", "nf4"), "quant must be keep, none, int4 or nf4"),
             (self.precision in ("fp32", "fp16"), "precision must be fp32 or fp16"),
             (self.max_len >= 8, "max_len must be >= 8"),
+            (bool(self.labels) or not self.label_eval,
+             "labels is empty: name the labels the held-out completions are scored against, or turn label "
+             "evaluation off (--no-label-eval: held-out loss only, no accuracy, calibration, format, slice or "
+             "stability gates)"),
+            (len(set(self.labels)) == len(self.labels), "labels must not repeat a label"),
             (self.truncation_side in ("left", "right"), "truncation_side must be 'left' or 'right'"),
             (self.loss_on in ("completion", "all"), "loss_on must be completion or all"),
             (self.bucket >= 1, "bucket must be >= 1"),
@@ -170,6 +176,9 @@ HELP = {
     "heldout_file": "held-out rows (same format) for accuracy and loss evidence",
     "preservation_file": "JSONL rows of plain text whose loss must not rise (preservation)",
     "labels": "comma-separated label set the completions are scored against",
+    "label_eval": "score every held-out row as a decision among the labels (its completion must be one) with "
+                  "the accuracy, calibration, format, slice and stability surfaces and gates; off: held-out loss "
+                  "only",
     "chat_template": "wrap prompt/completion as user/assistant turns",
     "max_len": "tokens per row after truncation",
     "truncation_side": "left: drop the prompt's start; right: the completion's end",
@@ -302,7 +311,9 @@ def load(toml_path=None, overrides: dict | None = None) -> TrainConfig:
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{toml_path}: {e}") from None
+            # tomllib names a line, except for an error at the end ("at end of document"): name the last
+            where = f":{len(text.splitlines()) or 1}" if "end of document" in str(e) else ""
+            raise ConfigError(f"{toml_path}{where}: {e}") from None
         for k, v in raw.items():
             if k not in FIELDS:
                 raise _unknown(k, str(toml_path))

@@ -83,6 +83,7 @@ def _segments(obj, tok, use_template, where):
                 raise DataError(f"{where}: messages[{i}] is an assistant turn with empty content (nothing to learn)")
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant message, so nothing to learn")
+        _check_turn_order(msgs, where)
     else:
         prompt, completion = _text(obj, "prompt", where), _text(obj, "completion", where)
         if not use_template:
@@ -94,6 +95,19 @@ def _segments(obj, tok, use_template, where):
         if "system" in obj:                      # a row's own system turn instead of the template's default
             msgs.insert(0, {"role": "system", "content": _text(obj, "system", where)})
     return _template_segments(msgs, tok, where), msgs
+
+
+def _check_turn_order(msgs, where):
+    """A system turn only first, then user and assistant turns alternating from a user turn: the
+    order chat templates are written for (some render any order without a word)."""
+    want = "user"
+    for i, m in enumerate(msgs):
+        if m["role"] == "system" and i == 0:
+            continue
+        if m["role"] != want:
+            raise DataError(f"{where}: messages[{i}] is a {m['role']!r} turn where a {want!r} turn is expected "
+                            f"(order: an optional system turn first, then user and assistant alternating)")
+        want = "assistant" if want == "user" else "user"
 
 
 _MARK = "\ue000vkdsl-turn-{}\ue001"     # private-use characters: never in a row's own text

@@ -137,7 +137,7 @@ def same_settings(g, settings: str):
     bad = [r for r, s in enumerate(sums) if s != sums[0]]
     if bad:
         raise DistributedError(f"rank(s) {bad} were started with other settings than rank 0 (every rank of one "
-                               f"job needs the same command line and config)")
+                               f"job needs the same command line, config and VKDSL_PROFILE)")
 
 
 def parallel():

@@ -293,7 +293,7 @@ def publish_gates(rep, run_dir, gates, new):
     """Print the new gates' lines, then emit and write every gate so far (gates.json, atomic)."""
     from .checkpoint import atomic_write
     for name, ok, why in new:
-        rep.say(f"  {'PASS' if ok else 'FAIL'}  {name}: {why}")
+        rep.outcome(f"  {'PASS' if ok else 'FAIL'}  {name}: {why}")
     rep.event("gates", gates=gate_records(gates))
     atomic_write(run_dir / "gates.json", json.dumps(gate_records(gates), indent=1).encode())
 

@@ -10,7 +10,7 @@ import numpy as np
 from vkdsl.models.llama import Llama
 
 from . import evidence
-from .data import IGNORE, encode_row, reply_end, with_completion
+from .data import IGNORE, DataError, encode_row, reply_end, with_completion
 from .distributed import Single
 
 
@@ -18,7 +18,15 @@ class Heldout:
     def __init__(self, cfg, model, ckpt, tok, pad, scorer, heldout, passages):
         self.cfg, self.model, self.ckpt, self.tok, self.pad, self.scorer = cfg, model, ckpt, tok, pad, scorer
         self.heldout, self.passages = heldout, passages
-        self.cand_idx, self.cands = evidence.label_candidates(heldout, cfg.labels, self.encode_candidate)
+        self.labels = list(cfg.labels) if cfg.label_eval else []
+        if self.labels:             # every held-out row is a label decision: none drops out unseen
+            for ex in heldout:
+                if ex.completion.strip() not in self.labels:
+                    raise DataError(f"{ex.where}: completion {ex.completion.strip()!r} is not one of the labels "
+                                    f"({', '.join(self.labels)}): every held-out row is scored as a label decision; "
+                                    f"fix the row, add the label (--labels), or turn label evaluation off "
+                                    f"(--no-label-eval: held-out loss only)")
+        self.cand_idx, self.cands = evidence.label_candidates(heldout, self.labels, self.encode_candidate)
         self.extra = self._single_token_labels(heldout, self.cand_idx, self.cands)
 
     def encode_candidate(self, ex, label):
@@ -29,7 +37,7 @@ class Heldout:
     def _single_token_labels(self, rows, idx, cands):
         """Per row [(answer position, label token) for each label] when every label is one token
         at the same position after an identical prefix; else None (score candidates)."""
-        L, end = len(self.cfg.labels), reply_end(self.tok, self.cfg.chat_template)
+        L, end = len(self.labels), reply_end(self.tok, self.cfg.chat_template)
         extra = [[] for _ in rows]
         for j, i in enumerate(idx):
             ex = rows[i]
@@ -46,23 +54,23 @@ class Heldout:
         """For the rows whose completion is one of cfg.labels: (their indices, (n, L) log-probs of
         each label as the completion). The label probabilities within the label set are softmax of a
         row (two-way for two labels): not the model's probability of emitting that token."""
-        idx, cands = evidence.label_candidates(rows, self.cfg.labels, self.encode_candidate)
+        idx, cands = evidence.label_candidates(rows, self.labels, self.encode_candidate)
         if not idx:
-            return idx, np.zeros((0, len(self.cfg.labels)))
+            return idx, np.zeros((0, len(self.labels)))
         extra = self._single_token_labels(rows, idx, cands)
         if extra is not None:
             _, ext = self.scorer.row_logprobs(rows, adapters_on, extra)
             return idx, np.array([ext[i] for i in idx], np.float64)
         sc = self.scorer.row_logprobs(cands, adapters_on)
-        return idx, np.array([s for s, _ in sc], np.float64).reshape(len(idx), len(self.cfg.labels))
+        return idx, np.array([s for s, _ in sc], np.float64).reshape(len(idx), len(self.labels))
 
     def scores(self, adapters_on, with_format=True):
         """Held-out loss (per row), label log-probs of the labelled rows, whether each labelled row's
         greedy continuation is exactly one label then end-of-turn (format; in single-token mode a
         second pass over the rows whose greedy label is not the true one, skipped without
         with_format), preservation loss."""
-        L = len(self.cfg.labels)
-        truth = [self.cfg.labels.index(self.heldout[i].completion.strip()) for i in self.cand_idx]
+        L = len(self.labels)
+        truth = [self.labels.index(self.heldout[i].completion.strip()) for i in self.cand_idx]
         if self.extra is not None:
             sc = self.scorer.scores(self.heldout, adapters_on, self.extra)
             held = sc.sums
@@ -96,7 +104,7 @@ class Heldout:
             held, it = [], iter(other)
             pos = {i: j for j, i in enumerate(self.cand_idx)}
             for i, ex in enumerate(self.heldout):       # the true label's candidate is the row itself
-                held.append(cand[pos[i] * L + self.cfg.labels.index(ex.completion.strip())] if i in pos else next(it))
+                held.append(cand[pos[i] * L + self.labels.index(ex.completion.strip())] if i in pos else next(it))
         n = len(truth)
         k = int(sum(int(np.argmax(M[j])) == t for j, t in enumerate(truth)))
         pres = self.scorer.row_logprobs(self.passages, adapters_on) if self.passages else []
@@ -162,7 +170,7 @@ class Heldout:
         fp = Llama(self.ckpt, quant="none")
         fp.lora = dict(self.model.lora)
         scorer = evidence.Scorer(fp, self.pad, self.cfg.bucket, self.cfg.max_len, self.cfg.eval_batch)
-        L = len(self.cfg.labels)
+        L = len(self.labels)
         rows = [self.heldout[self.cand_idx[j]] for j in js]
         if self.extra is not None:
             ext = scorer.scores(rows, True, [self.extra[self.cand_idx[j]] for j in js]).extra

@@ -5,8 +5,37 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from tqdm import tqdm
+
+
+class Records:
+    """The one writer of a run folder's metrics.jsonl: the run's history (step, eval, dpo_step,
+    dpo_evidence, resume records) that report.html and `vkdsl report` read."""
+
+    def __init__(self, run_dir):
+        self.path = Path(run_dir) / "metrics.jsonl"
+
+    def append(self, kind, **rec):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"event": kind, **rec}) + "\n")
+
+    def mark_resume(self, step: int):
+        """Drop the records of steps after the checkpoint (they run again) and mark the resume,
+        in one atomic replace."""
+        from .checkpoint import atomic_write
+        keep = []
+        if self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue                       # a line cut by the kill
+                if rec.get("step", 0) <= step:
+                    keep.append(line)
+        keep.append(json.dumps({"event": "resume", "step": step}))
+        atomic_write(self.path, ("\n".join(keep) + "\n").encode())
 
 
 class Reporter:
@@ -29,6 +58,15 @@ class Reporter:
             self.log.write(text + "\n")
             self.log.flush()
         if not (self.quiet or self.jsonl):
+            self._print(text)
+
+    def outcome(self, text):
+        """What a run found (its gates, its folder): printed under --quiet too, not with --jsonl
+        (its events carry them); always the log."""
+        if self.log:
+            self.log.write(text + "\n")
+            self.log.flush()
+        if not self.jsonl:
             self._print(text)
 
     def event(self, kind, **rec):

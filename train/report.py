@@ -63,6 +63,11 @@ def html_table(head, rows, raw=False) -> str:
     return f"<table><tr>{th}</tr>{body}</table>"
 
 
+# what a finished run folder holds besides config.json and summary.json
+RECORDS = ("metrics.jsonl", "gates.json", "adapter.npz", "adapter/adapter_model.safetensors",
+           "adapter/adapter_config.json", "adapter/vkdsl_manifest.json", "adapter.gguf")
+
+
 class RunData:
     """Everything the panels read from one run folder."""
 
@@ -70,6 +75,17 @@ class RunData:
         self.dir = Path(run_dir)
         if not self.dir.is_dir():
             raise FileNotFoundError(f"{self.dir}: no such run folder")
+        if not (self.dir / "config.json").is_file():
+            raise FileNotFoundError(f"{self.dir}: not a vkdsl-train run folder (no config.json; a run writes it "
+                                    f"before anything else)")
+        # a finished run (summary.json is its last record) has every record; one missing was deleted
+        # or lost, and a page without it would tell a different story ("no SFT steps were run")
+        finished = (self.dir / "summary.json").is_file()
+        missing = [n for n in RECORDS if finished and not (self.dir / n).exists()]
+        if missing:
+            raise FileNotFoundError(f"{self.dir}: a finished run (summary.json) without {', '.join(missing)}: "
+                                    f"deleted or lost; the report would misstate the run")
+        self.finished = finished
         self.rows = _read_jsonl(self.dir / "metrics.jsonl")
         self.summary = _read_json(self.dir / "summary.json") or {}
         self.config = _read_json(self.dir / "config.json") or {}
@@ -242,7 +258,9 @@ def build_report(run_dir) -> Path:
     head = (f"<h1>vkdsl run {_e(d.dir.name)}</h1><p>{_e(d.config.get('objective', ''))} on "
             f"{_e(d.config.get('model') or 'SmolLM2-135M-Instruct')}: "
             + ("" if ok is None else f"<span class='{'pass' if ok else 'fail'}'>{sum(g['pass'] for g in d.gates)} of "
-               f"{len(d.gates)} gates pass</span>") + "</p>")
+               f"{len(d.gates)} gates pass</span>") + "</p>"
+            + ("" if d.finished else "<p class='fail'>This run has not finished (no summary.json): the page shows "
+                                     "what it recorded so far.</p>"))
     body = head + "".join(f"<h2>{_e(t)}</h2><p class='q'>{_e(q)}</p>{fn(d)}" for t, q, fn in PANELS)
     return atomic_write(d.dir / "report.html", _page(f"vkdsl run {d.dir.name}", body))
 

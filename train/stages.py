@@ -69,8 +69,7 @@ def dpo_stage(r, stop_after=None):
 
     def event(kind, **rec):
         rep.event(kind, **rec)
-        with open(r.dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"event": kind, **rec, "step": cfg.steps + rec.get("step", 0)}) + "\n")
+        r.records.append(kind, **{**rec, "step": cfg.steps + rec.get("step", 0)})
     t0 = time.perf_counter()
     history, ev = dpo.train_dpo(r.model, r.params, cfg, r.pad, pairs, held, r.dir, rep.say, event, reference, hashes,
                                 r.prefix, r.group, lambda obj, opt: _dpo_loop(r, obj, opt, stop_after))
@@ -103,9 +102,8 @@ def dpo_stage(r, stop_after=None):
                 f"worst slice {a['slices']['worst']}"
                 + (f", decisions equal to after SFT on {a['decision_agreement_with_sft']:.3f}"
                    if a["decision_agreement_with_sft"] is not None else ""))
-    with open(r.dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"event": "dpo_evidence", "step": cfg.steps + cfg.dpo_steps,
-                            **{f"dpo_{k}": v for k, v in ev.items() if v is not None}}) + "\n")
+    r.records.append("dpo_evidence", step=cfg.steps + cfg.dpo_steps,
+                     **{f"dpo_{k}": v for k, v in ev.items() if v is not None})
     more = evidence.dpo_gates(ev, cfg, (getattr(r, "base", None) or {}).get("acc"))
     r.gates = list(r.gates) + more
     evidence.publish_gates(rep, r.dir, r.gates, more)

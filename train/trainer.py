@@ -23,7 +23,7 @@ from .heldout import Heldout
 from .loop import TrainingStopped  # noqa: F401  (re-exported: the CLI's user error)
 from .inject import count_report, inject, params_of
 from .prefix import FrozenPrefix, first_adapted_layer
-from .progress import Reporter
+from .progress import Records, Reporter
 from .schedule import checkpoints as lr_points, sft_lr
 from .step import Stepper
 
@@ -39,6 +39,7 @@ class Run:
         self.group = group or Single()
         self.devices = None               # under MPI: every rank's device, one line each (the manifest's)
         self.cfg, self.dir, self.r = cfg, Path(run_dir), reporter
+        self.records = Records(self.dir)
         path = cfg.model
         if not path:
             from vkdsl.models.default import default_model_path
@@ -55,7 +56,14 @@ class Run:
             self.model = Llama(self.ckpt, quant=cfg.quant)
             self.identity = {"base_sha256": checkpoint.sha256_file(path),
                              "tokenizer_sha256": checkpoint.tokenizer_hash(self.tok), "quant": cfg.quant}
-        self.identity = {**self.identity, "precision": cfg.precision}     # a resume must compute as the run did
+        # a resume must compute as the run did, on the same rows
+        self.identity = {**self.identity, "precision": cfg.precision,
+                         "train_sha256": checkpoint.sha256_file(cfg.train_file)}
+        if "dpo" in cfg.objective:
+            self.identity["dpo_train_sha256"] = checkpoint.sha256_file(cfg.dpo_train_file)
+        if cfg.max_len > self.model.cfg.context_length:
+            raise ValueError(f"max_len {cfg.max_len} is beyond the model's context of {self.model.cfg.context_length} "
+                             f"tokens ({path})")
         self.names = inject(self.model, cfg)
         self.params = params_of(self.model, self.names)
         self.r.say(f"model {path} loaded in {time.perf_counter() - t0:.1f}s")
@@ -216,8 +224,7 @@ class Run:
         ev["eval_seconds"] = time.perf_counter() - t0
         self.r.say(evidence.table(ev))
         self.r.event("eval", **ev)
-        with open(self.dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"event": "eval", **ev}) + "\n")
+        self.records.append("eval", **ev)
         return ev
 
     def _merge_check(self):
@@ -309,9 +316,7 @@ class SftObjective:
             r.after_first_step(rec["raw_grads"])
         r.last_loss = rec["loss"]
         r.r.progress(step, self.steps, rec)
-        with open(r.dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"event": "step", "step": step, **{k: v for k, v in rec.items() if k != "raw_grads"}})
-                    + "\n")
+        r.records.append("step", step=step, **{k: v for k, v in rec.items() if k != "raw_grads"})
 
 
 BASE_EVAL = "base_eval.json"
@@ -356,7 +361,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
         checkpoint.check_identity(r.dpo_saved[0], r.identity)
     if resume:                          # the records of steps after the resumed ones run again
         at = cfg.steps + r.dpo_saved[0]["step"] if r.dpo_saved else r.step
-        checkpoint.mark_resume(run_dir / "metrics.jsonl", at)
+        r.records.mark_resume(at)
     if evidence_at_end:
         r.base_evidence()
     t0 = time.perf_counter()
@@ -385,6 +390,6 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
             else:
                 r.final = r.evaluate(final=True)
             r.gates = evidence.gates(r.final, r.first_loss, cfg)
-            rep.say("gates:")
+            rep.outcome("gates:")
             evidence.publish_gates(rep, run_dir, r.gates, r.gates)
     return r

@@ -353,6 +353,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         raise ShapeError(f"matmul: inner sizes differ: {a.shape} @ {b.shape} (K={K} vs {K2})")
     batch = broadcast_shape(a.shape[:-2], b.shape[:-2], what="matmul batch")
     out_shape = batch + (M, N)
+    if M == 0 or N == 0:
+        raise ShapeError(f"matmul: {a.shape} @ {b.shape} has a zero-length axis (M={M}, N={N}): nothing to compute")
     if K == 0:
         return Tensor.zeros(out_shape)
     if N < SKINNY and M >= 2 * N:

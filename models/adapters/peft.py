@@ -82,6 +82,28 @@ def save(model, folder, *, r: int | None = None, alpha: float | None = None,
     return folder
 
 
+def _check_targets(targets, parts, cfg_path):
+    """PEFT applies an adapter only to the modules target_modules matches (a list of module names,
+    a regex over the full name, or "all-linear"): a tensor it would not match is refused, since
+    vkdsl would apply more of the adapter than PEFT does."""
+    if targets is None or targets == "all-linear":
+        return
+    if not (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise ModelFileError(f"{cfg_path}: target_modules = {json.dumps(targets)[:80]}, expected a list of module "
+                             f"names or a regex")
+    for module in parts:
+        i, m = int(module.split(".")[1]), module.split(".")[2]
+        full = f"model.layers.{i}.{HF_MODULE[m]}"
+        try:
+            hit = re.fullmatch(targets, full) if isinstance(targets, str) else \
+                any(full == t or full.endswith("." + t) for t in targets)
+        except re.error as e:
+            raise ModelFileError(f"{cfg_path}: target_modules {targets!r} is not a valid regex ({e})") from None
+        if not hit:
+            raise ModelFileError(f"{cfg_path}: target_modules {json.dumps(targets)} does not name {HF_SHORT[m]} of "
+                                 f"layer {i}, which the weights adapt (PEFT would leave it out)")
+
+
 def read(folder: Path, cfg) -> "common.AdapterWeights":
     cfg_path, w_path = folder / CONFIG, folder / WEIGHTS
     if not cfg_path.is_file():
@@ -125,6 +147,7 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
         parts.setdefault(module, {})[m.group(3)] = (key, as_f32(dtype, data, shape))
     if not parts:
         raise ModelFileError(f"{w_path}: no LoRA weights")
+    _check_targets(pc.get("target_modules"), parts, cfg_path)
     modules = {}
     for module, ab in sorted(parts.items(), key=lambda kv: common.module_order(kv[0])):
         for x in "AB":

@@ -79,6 +79,9 @@ class Probe:
     run: Callable                 # run(ctx) -> Result
     minutes: str = ""             # measured default time on lavapipe, 2 cores (for --help)
     seeds: int = 1                # default --seeds
+    # parameter -> (lowest, highest) allowed, where it differs from the rule for numbers (an int at
+    # least 1, a float above 0, no upper bound); a bound may name another parameter
+    bounds: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -106,9 +109,9 @@ class Context:
 REGISTRY: dict[str, Probe] = {}
 
 
-def probe(name, summary, needs_model, minutes="", seeds=1, **defaults):
+def probe(name, summary, needs_model, minutes="", seeds=1, bounds=None, **defaults):
     def wrap(fn):
-        REGISTRY[name] = Probe(name, summary, needs_model, defaults, fn, minutes, seeds)
+        REGISTRY[name] = Probe(name, summary, needs_model, defaults, fn, minutes, seeds, bounds or {})
         return fn
     return wrap
 
@@ -139,4 +142,23 @@ def parse_sets(p: Probe, items) -> dict:
                 out[k] = v
         except ValueError:
             raise ProbeError(f"--set {k}={v!r}: expected {type(d).__name__} like {d!r}") from None
+    for k, v in out.items():
+        _check_bounds(p, k, v, out)
     return out
+
+
+def _check_bounds(p: Probe, k, v, values):
+    """A parameter's values within its bounds: one line naming the parameter, never a failure deep
+    inside the probe (an IndexError, numpy's shape wording)."""
+    d = p.defaults[k]
+    items = v if isinstance(v, list) else [v]
+    if isinstance(d, bool) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+        return
+    if isinstance(v, list) and not v:
+        raise ProbeError(f"probe {p.name}: {k} must list at least one value")
+    lo, hi = p.bounds.get(k, (1 if isinstance(items[0], int) else None, None))
+    lo, hi = (values[b] if isinstance(b, str) else b for b in (lo, hi))
+    for x in items:
+        if (lo is None and not x > 0) or (lo is not None and x < lo) or (hi is not None and x > hi):
+            want = f"in [{lo}, {hi}]" if hi is not None else (f">= {lo}" if lo is not None else "> 0")
+            raise ProbeError(f"probe {p.name}: {k}={x} is out of bounds: expected {want}")

@@ -37,7 +37,8 @@ def device_sha256(t: vkdsl.Tensor) -> str:
 
 
 @probe("lowrank", "frozen 768x768 W + rank-8 LoRA on a rank-4 target: loss -> ~0, W's sha256 unchanged",
-       needs_model=False, minutes="6 s", d=768, n=128, rank=8, steps=400, seed=0)
+       needs_model=False, minutes="6 s", d=768, n=128, rank=8, steps=400, seed=0,
+       bounds={"d": (4, None), "n": (4, "d"), "seed": (0, None)})       # the target has rank 4 in X's rows
 def lowrank(ctx) -> Result:
     """n rows of X orthonormal (so ||X M||_F = ||M||_F on X's row space); the rank-4 update's input
     side lies in that row space, so all of it is observable. loss = ||X W + s (X A) B - Y||_F^2 / n,
@@ -87,7 +88,7 @@ SIGMA = np.array([8, 4, 2, 1, 0.5, 0.25, 0.125, 0.0625])
 
 
 @probe("rank-floor", "64x64 update, singular values 8..0.0625, ranks 1-16 x seeds: best MSE vs the Eckart-Young floor",
-       needs_model=False, minutes="50 s", seeds=5, ranks=[1, 2, 4, 8, 16], steps=1500)
+       needs_model=False, minutes="50 s", seeds=5, ranks=[1, 2, 4, 8, 16], steps=1500, bounds={"ranks": (1, 64)})
 def rank_floor(ctx) -> Result:
     """Full-batch identity inputs: MSE = ||s A B - dW||_F^2 / 4096, whose rank-r minimum is
     sum(SIGMA[r:]^2) / 4096 (Eckart-Young). Every (rank, seed) trains in one traced step."""

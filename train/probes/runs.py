@@ -112,7 +112,7 @@ def prompt_mask(ctx) -> Result:
        "checkpoints: task loss, held-out accuracy, preservation change", needs_model=True, minutes="4.7 min",
        weights=[0.0, 0.1, 1.0], checkpoints=[1, 10, 20, 40], layers="last:4",
        targets=["attn_q", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"], batch_size=1,
-       rehearsal_batch=1, task_rows=8, rehearsal_rows=8)
+       rehearsal_batch=1, task_rows=8, rehearsal_rows=8, bounds={"weights": (0.0, None)})
 def rehearsal(ctx) -> Result:
     """objective = task mean + w * general-text mean; the rehearsal text (bundled rehearsal.jsonl)
     makes gradients, the preservation text (preservation.jsonl, no sentence shared) only measures.

@@ -22,6 +22,7 @@ from .cache import valid_spirv
 from .errors import NoCompiler
 
 INDEX = "index.json"
+ENTRY = ("name", "file", "sha256")      # the fields of each kernel's entry in the index
 _read: dict[str, dict] = {}          # bundle folder -> its index (read once per process)
 
 
@@ -32,6 +33,16 @@ def read_index(root: str) -> dict:
             index = json.load(f)
         if not isinstance(index.get("kernels"), dict):
             raise ValueError("no 'kernels' object")
+        for key, entry in index["kernels"].items():
+            if not (isinstance(entry, dict) and all(isinstance(entry.get(f), str) for f in ENTRY)):
+                raise ValueError(f"kernels[{key!r}] is {json.dumps(entry)[:60]}, not an object of strings "
+                                 f"{', '.join(ENTRY)}")
+            if os.path.isabs(entry["file"]) or ".." in entry["file"].replace("\\", "/").split("/"):
+                raise ValueError(f"kernels[{key!r}] names {entry['file']!r}, not a file inside the bundle")
+        built = index.get("built", {})
+        if not isinstance(built, dict) or not (isinstance(built.get("jobs", []), list)
+                                               and all(isinstance(j, str) for j in built.get("jobs", []))):
+            raise ValueError("'built' is not an object whose 'jobs' is a list of command lines")
     except (OSError, ValueError, AttributeError) as e:
         raise NoCompiler(f"SPIR-V bundle {root}: cannot read {INDEX} ({e})") from None
     return index

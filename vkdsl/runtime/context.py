@@ -84,9 +84,12 @@ def parse_bytes(text: str) -> int:
     t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
     mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
     try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
-        raise ValueError(f"VKDSL_DEVICE_MEMORY_LIMIT={text!r}: expected bytes, e.g. 512M or 2G") from None
+        n = int(float(t[:-1] if mult > 1 else t) * mult)
+    except (ValueError, OverflowError):
+        n = 0
+    if n <= 0:
+        raise ValueError(f"VKDSL_DEVICE_MEMORY_LIMIT={text!r}: expected a positive number of bytes, e.g. 512M or 2G")
+    return n
 
 
 _default: Device | None = None
