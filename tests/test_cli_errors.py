@@ -1,23 +1,16 @@
 """Every error a user can cause is one line naming what it concerns, exit status 1, no traceback
 (VKDSL_DEBUG=1 keeps it): a missing device, undecodable data, settings written wrong."""
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from fixtures.cli import vkdsl
 from fixtures.train_data import tiny_cfg, tiny_setup
 from vkdsl.cli.train import main
 from vkdsl.train.config import ConfigError, TrainConfig
 from vkdsl.train.data import DataError, load_examples
 from vkdsl.train.inject import InjectError, parse_layers
 from vkdsl.models import load_model_files
-
-
-def vkdsl(args, **env):
-    return subprocess.run([sys.executable, "-m", "vkdsl.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)
 
 
 @pytest.fixture(scope="module")

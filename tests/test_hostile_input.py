@@ -12,16 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fixtures.cli import vkdsl as cli
 from fixtures.train_data import tiny_cfg, tiny_setup, write_jsonl
 from vkdsl.cli.train import main as train_main
 from vkdsl.models import ModelFileError, load_model_files
 from vkdsl.train.config import ConfigError, TrainConfig
 from vkdsl.train.data import DataError, load_examples
-
-
-def cli(args, **env):
-    return subprocess.run([sys.executable, "-m", "vkdsl.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=300)
 
 
 @pytest.fixture(scope="module")
