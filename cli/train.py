@@ -63,8 +63,7 @@ def _verify(rep, precision):
 
 
 def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
-    """The run's settings and folder: defaults <- TOML <- flags, or a resumed run's own config <- flags
-    (the settings a resume changes are in .changed: (name, saved, now))."""
+    """The run's settings and folder: defaults <- TOML <- flags, or a resumed run's own config <- flags."""
     if resume:
         saved = Path(resume) / "config.json"
         if not saved.is_file():
@@ -78,11 +77,7 @@ def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
         if config_path:
             raise C.ConfigError(f"--resume {resume} runs with its own config.json; --config {config_path} would "
                                 f"replace it (give changed settings as flags)")
-        cfg = C.load(None, {**values, **over})
-        saved = C.load(None, values)
-        cfg.changed = [(k, getattr(saved, k), getattr(cfg, k)) for k in over
-                       if getattr(saved, k) != getattr(cfg, k)]
-        return cfg, resume
+        return C.load(None, {**values, **over}), resume
     cfg = C.load(config_path, over)
     cfg.out = cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, cfg.out
@@ -103,12 +98,17 @@ def _fresh_folder(out: str, overwrite: bool):
         raise C.ConfigError(f"--overwrite: {out} is not a run folder (no config.json); refusing to empty it")
     import shutil
     for p in path.iterdir():
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _record_changes(cfg, out, rep):
-    """Settings a resume changes: printed, and config.json rewritten (atomically) to what now runs."""
-    changed = getattr(cfg, "changed", [])
+    """Settings a resume changes (against the folder's config.json, which settings() has read):
+    printed, and config.json rewritten (atomically) to what now runs."""
+    saved = C.load(None, json.loads((Path(out) / "config.json").read_text(encoding="utf-8")))
+    changed = [(k, getattr(saved, k), getattr(cfg, k)) for k in C.FIELDS if getattr(saved, k) != getattr(cfg, k)]
     for k, old, new in changed:
         rep.outcome(f"resume: {k} changed from {json.dumps(old)} to {json.dumps(new)} (given now)")
     if changed:
@@ -151,15 +151,15 @@ def _run(config_path, resume, over, mode="auto", overwrite=False) -> int:
     from vkdsl.environment import check_environment
     check_environment()                     # a bad $VKDSL_*: one line before any work
     cfg, out = settings(config_path, resume, over)
+    say = Reporter(None, cfg.quiet, cfg.jsonl)     # before the run's own (it logs to the run folder)
     env_precision = os.environ.get("VKDSL_PRECISION", "").strip()
     if env_precision and env_precision != cfg.precision:
-        Reporter(None, cfg.quiet, cfg.jsonl).say(
-            f"VKDSL_PRECISION={env_precision} is set; this run computes at its precision setting, "
-            f"{cfg.precision} (--precision)")
+        say.say(f"VKDSL_PRECISION={env_precision} is set; this run computes at its precision setting, "
+                f"{cfg.precision} (--precision)")
     g = distributed.group(mode)
     if g.root:
         if resume:
-            _record_changes(cfg, out, Reporter(None, cfg.quiet, cfg.jsonl))
+            _record_changes(cfg, out, say)
         else:
             _fresh_folder(out, overwrite)
     devices = None
@@ -168,9 +168,9 @@ def _run(config_path, resume, over, mode="auto", overwrite=False) -> int:
     dev = open_device(None)                 # a device that is not there fails before the model loads
     if cfg.precision == "fp16":             # and so does one with no fp16 matmul
         from vkdsl.matmul import fp16_choice
-        Reporter(None, cfg.quiet, cfg.jsonl).say("precision fp16: matmul variant %s, %s" % fp16_choice(dev))
+        say.say("precision fp16: matmul variant %s, %s" % fp16_choice(dev))
     if cfg.verify:
-        _verify(Reporter(None, cfg.quiet, cfg.jsonl), cfg.precision)
+        _verify(say, cfg.precision)
     t0 = time.perf_counter()
     with matmul_precision(cfg.precision):
         r = run(cfg, out, resume=resume, group=g)
