@@ -24,5 +24,5 @@ def check_environment() -> None:
         v = os.environ.get(var, "")
         # VKDSL_VALIDATION is read case-blind; the others as written
         if (v.strip().lower() if var == "VKDSL_VALIDATION" else v) not in allowed:
-            named = [a for a in allowed if a]
-            raise ValueError(f"{var}={v!r}: expected {', '.join(named[:-1])} or {named[-1]}")
+            values = [a for a in allowed if a]
+            raise ValueError(f"{var}={v!r}: expected {', '.join(values[:-1])} or {values[-1]}")
