@@ -1,9 +1,12 @@
 """Shared test helpers. Tests run on the real Vulkan device vkdsl picks (lavapipe in CI).
 
-check_op is the one op-test helper: seeded inputs, the forward against a float64 numpy reference
-by NMSE with the op's limit (vkdsl.verify.compare: NaN/Inf must match the reference's), sentinel
-words past every output to catch out-of-bounds writes, and autodiff gradients against central
-finite differences of the float64 reference."""
+One helper per kind of check:
+- nmse: the comparison (vkdsl.verify's: NaN/Inf must match the reference's);
+- fd: central finite differences of a float64 reference, the one gradient reference;
+- check_op: a traced op (seeded inputs, sentinel words past every output to catch out-of-bounds
+  writes) against its float64 reference, gradients against fd;
+- check_grads: eager autodiff of a composition of ops against fd.
+The tiny model and its data are in tests/fixtures (synthetic.py, train_data.py)."""
 import math
 
 import numpy as np
@@ -29,7 +32,7 @@ def nmse(y, ref):
     return measure(np.asarray(y), np.asarray(ref, np.float64))
 
 
-def _fd(ref, xs, i, g, h=1e-6):
+def fd(ref, xs, i, g, h=1e-6):
     """Central differences of sum(ref(*xs) * g) w.r.t. xs[i], in float64."""
     x = xs[i].astype(np.float64)
     out = np.zeros_like(x)
@@ -69,7 +72,28 @@ def check_op(fn, ref, inputs, limit, grad_of=(), grad_limit=1e-6, seed=0):
     err = nmse(out, want)
     assert err <= limit, f"forward NMSE {err:.3g} > {limit:.3g}"
     for i, got in zip(grad_of, gs):
-        fd = _fd(ref, arrays, i, g.astype(np.float64))
-        gerr = nmse(got, fd)
+        want_g = fd(ref, arrays, i, g.astype(np.float64))
+        gerr = nmse(got, want_g)
         assert gerr <= grad_limit, f"gradient of input {i}: NMSE {gerr:.3g} vs finite differences > {grad_limit:.3g}"
     return out, gs
+
+
+def f32(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def check_grads(build, ref, arrays, wrt, rng, scalar=False, limit=1e-8):
+    """build(*Tensors) -> Tensor, run eagerly; ref(*float64 arrays). The forward and the gradients
+    of sum(out * g) (g seeded from rng; scalar: out itself) w.r.t. inputs wrt against fd, by NMSE."""
+    import vkdsl
+    from vkdsl.autograd import grad
+    y_ref = np.asarray(ref(*arrays))
+    g = None if scalar else rng.standard_normal(y_ref.shape)
+    ts = [vkdsl.tensor(a, requires_grad=(i in wrt)) for i, a in enumerate(arrays)]
+    out = build(*ts)
+    grads = grad(out, [ts[i] for i in wrt], upstream=None if scalar else vkdsl.tensor(g.astype(np.float32)))
+    assert nmse(out.numpy(), y_ref) < limit, "forward"
+    for i, gd in zip(wrt, grads):
+        want = fd(ref, arrays, i, 1.0 if scalar else g)
+        err = nmse(gd.numpy(), want)
+        assert err < limit, f"gradient of input {i}: nmse {err:.2e}"

@@ -175,6 +175,28 @@ MUTANTS = [
     Mutant("quiet_hides_the_gates", "train/progress.py", "        if not self.jsonl:\n            self._print(text)",
            "        if not (self.jsonl or self.quiet):\n            self._print(text)",
            ("tests/test_hostile_input.py", "-k", "quiet"), "--quiet prints nothing, not even the gates"),
+    Mutant("assign_in_place_through_a_view", "vkdsl/schedule.py",
+           "direct = (id(value) not in mat and all(l is target for l in reads) and _identity_reads(value, target))",
+           "direct = (id(value) not in mat and all(l is target for l in reads))",
+           ("tests/test_dsl.py", "-k", "assign"), "w <- f(view of w) written in place, reading what it overwrote"),
+    Mutant("pool_frees_after_the_first_reader", "vkdsl/realize.py", "last_use[id(reshape_base(x))] = i",
+           "last_use.setdefault(id(reshape_base(x)), i)", ("tests/test_dsl.py", "tests/test_grad.py", "-x"),
+           "a temporary's buffer reused while a later step still reads it"),
+    Mutant("lvp_matmul_k_tail_counted", "vkdsl/kernels/matmul_lvp.glsl", "const bool live = k0 + kk < K;",
+           "const bool live = k0 + kk <= K;", ("tests/test_matmul_kernels.py", "-k", "lvp"),
+           "the register-blocked matmul adds a clamped value past K"),
+    Mutant("barrier_skips_write_after_read", "vkdsl/runtime/commands.py",
+           "if (rw & self._written) or (set(writes) & self._read):", "if rw & self._written:",
+           ("tests/test_runtime.py", "-k", "barrier"), "no barrier before overwriting a buffer still being read"),
+    Mutant("base_cache_key_stops_at_first_target", "train/step.py",
+           "        end = int(sup[-1]) + 1 if len(sup) else 0\n        return hashlib.sha256(ids_row",
+           "        end = int(sup[0]) + 1 if len(sup) else 0\n        return hashlib.sha256(ids_row",
+           ("tests/test_train_objective.py", "-k", "cached_base"), "TMKL's cached base logits shared by rows "
+           "that differ after their first target"),
+    Mutant("template_supervises_only_the_last_reply", "train/data.py",
+           'segs += [(text[pos:at], False), (m["content"], True)]',
+           'segs += [(text[pos:at], False), (m["content"], k == len(msgs) - 1)]',
+           ("tests/test_chat_templates.py", "-k", "supervised"), "earlier assistant turns of a conversation masked"),
 ]
 
 

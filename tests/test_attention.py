@@ -12,8 +12,7 @@ import vkdsl
 from vkdsl.autograd import grad
 from vkdsl.ops import attention as A
 
-from conftest import nmse
-from test_grad import check, f32
+from conftest import check_grads as check, f32, nmse
 
 LIMIT = 1e-10
 

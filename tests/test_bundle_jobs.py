@@ -10,7 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_cli import run
+from fixtures.cli import run
+
+# a campaign (pytest -m campaign, CI's step after the suite); the suite's bundle check is
+# test_cli.py's test_bundle_runs_without_any_shader_compiler
+pytestmark = pytest.mark.campaign
 
 TRAIN = str(Path(sys.executable).parent / "vkdsl-train")
 

@@ -2,18 +2,10 @@
 from a bundle on a machine with no shader compiler."""
 import json
 import os
-import subprocess
 import sys
 
 
-VKDSL = [sys.executable, "-m", "vkdsl.cli"]
-
-
-def run(args, env=None, check=True, timeout=600):
-    p = subprocess.run(VKDSL + args, capture_output=True, text=True, env=env, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"vkdsl {' '.join(args)} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
-    return p
+from fixtures.cli import run
 
 
 def test_devices_json_lists_limits():

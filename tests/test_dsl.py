@@ -163,6 +163,14 @@ def test_assign_updates_in_place(rng):
     np.testing.assert_array_equal(w.numpy(), np.arange(6) * 2 + 1)
 
 
+def test_assign_through_a_view_of_itself(rng):
+    # w <- w.T + 1 reads elements the same kernel writes: it must go through a temporary
+    a = rng.standard_normal((5, 5)).astype(np.float32)
+    w = T(a)
+    w.assign(w.permute(1, 0) + 1)
+    np.testing.assert_array_equal(w.numpy(), a.T + 1)
+
+
 @pytest.mark.parametrize("R", [128, 1000, 49152])
 def test_workgroup_reductions_against_float64_and_nan(rng, R):
     """Reductions with a workgroup per output: on a GPU (or a GPU profile) with subgroup

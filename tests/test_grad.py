@@ -15,47 +15,9 @@ from vkdsl_golden import reference_train as RT
 from vkdsl.ops import attention, losses, nn
 from vkdsl.ops.lora import LoRA, lora_linear
 
-from conftest import nmse
+from conftest import check_grads as check, f32
 
 LIMIT = 1e-8
-
-
-def fd(f, xs, i, g, h=1e-6):
-    """d/dx_i sum(f(*xs) * g) by central differences in float64."""
-    xs = [np.array(x, np.float64) for x in xs]
-    out = np.zeros_like(xs[i])
-    it = np.nditer(xs[i], flags=["multi_index"])
-    for _ in it:
-        j = it.multi_index
-        old = xs[i][j]
-        xs[i][j] = old + h
-        up = np.sum(np.asarray(f(*xs)) * g)
-        xs[i][j] = old - h
-        dn = np.sum(np.asarray(f(*xs)) * g)
-        xs[i][j] = old
-        out[j] = (up - dn) / (2 * h)
-    return out
-
-
-def device_grads(build, arrays, wrt, g=None):
-    ts = [vkdsl.tensor(a, requires_grad=(i in wrt)) for i, a in enumerate(arrays)]
-    out = build(*ts)
-    grads = grad(out, [ts[i] for i in wrt], upstream=None if g is None else vkdsl.tensor(g))
-    return out.numpy(), [x.numpy() for x in grads]
-
-
-def check(build, ref, arrays, wrt, rng, scalar=False):
-    y_ref = np.asarray(ref(*arrays))
-    g = None if scalar else rng.standard_normal(y_ref.shape)
-    y, grads = device_grads(build, arrays, wrt, None if scalar else g.astype(np.float32))
-    assert nmse(y, y_ref) < LIMIT, "forward"
-    for i, gd in zip(wrt, grads):
-        want = fd(ref, arrays, i, 1.0 if scalar else g)
-        assert nmse(gd, want) < LIMIT, f"gradient of input {i}: nmse {nmse(gd, want):.2e}"
-
-
-def f32(rng, *shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def test_elementwise_and_reduce_grads(rng):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import vkdsl
-from test_cli import run
+from fixtures.cli import run
 from vkdsl.autograd import grad
 from vkdsl.compiler import coopmat_backend, compile_glsl, kernel_source
 from vkdsl.matmul import coop_config, fp16_choice, plan_matmul, variant_defines

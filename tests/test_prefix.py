@@ -12,7 +12,7 @@ from vkdsl.train.inject import inject, params_of
 from vkdsl.train.prefix import FrozenPrefix, first_adapted_layer
 from vkdsl.train.step import Stepper
 from fixtures.synthetic import build_tiny
-from test_train_objective import batch
+from fixtures.train_data import batch
 
 IGN = -100
 

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from test_cli import run
+from fixtures.cli import run
 from vkdsl.handwritten import gpu_config
 from vkdsl.runtime import default_device
 from vkdsl.runtime.profiles import FEATURES, PROFILES, ProfileError, apply, named
@@ -85,6 +85,7 @@ def test_doctor_shows_the_kernels_the_profile_picks(name, family, matmul, fp16):
         rows["golden rows"]["value"].split("/")[1].split()[0]
 
 
+@pytest.mark.campaign          # the suite runs the doctor without benchmarks (above)
 def test_doctor_with_benchmarks_runs_within_two_minutes():
     report, rows = _doctor()
     assert report["seconds"] < 120

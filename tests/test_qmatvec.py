@@ -17,7 +17,7 @@ def test_qmatvec(dev, fmt, M):
     N, K = 70, (256 if fmt.endswith("_k") else 128)
     w = rng.standard_normal((N, K)).astype(np.float32)
     if fmt.endswith("_k"):                               # random super-blocks, decoded by gguf
-        from test_quant_kernels import kquant_blocks
+        from fixtures.quant_codec import kquant_blocks
         raw, ref_w = kquant_blocks(fmt, N, K, seed=M)
         qw = quant.from_gguf(raw, fmt.upper(), (N, K))
     elif fmt.startswith("q") or fmt == "f16":

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GT
 
-from fixtures.quant_codec import decode
+from fixtures.quant_codec import decode, kquant_blocks
 from vkdsl_golden.reference_quant import NF4_CODEBOOK as NF4_PAPER
 from vkdsl.ops.quant.formats import NF4_MID
 from vkdsl.ops import quant as Q
@@ -22,22 +22,6 @@ SENTINEL = np.float32(-12345.5)
 U32 = 2.0 ** -24
 FORMATS = ["q4_0", "q4_1", "q8_0", "f16", "q4_k", "q5_k", "q6_k", "int4", "int4_f16", "nf4"]
 KQUANTS = ("q4_k", "q5_k", "q6_k")
-
-
-def kquant_blocks(fmt, N, K, seed=0):
-    """Random GGUF K-quant super-blocks (gguf-py has no K-quant quantizer): random code, scale and
-    high-bit bytes with finite f16 d and dmin of either sign -> (raw (N, row bytes), gguf's decode)."""
-    gt = getattr(GT, fmt.upper())
-    per, nbytes = gguf.GGML_QUANT_SIZES[gt]
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, (N * K // per, nbytes)).astype(np.uint8)
-    d = (rng.uniform(0.5, 2.0, (len(raw), 2)) * rng.choice([-1, 1], (len(raw), 2)) * 1e-2).astype("<f2")
-    if fmt == "q6_k":
-        raw[:, 208:210] = d[:, :1].view(np.uint8)
-    else:
-        raw[:, 0:4] = d.view(np.uint8)
-    raw = raw.reshape(N, -1)
-    return raw, gguf.quants.dequantize(raw, gt).astype(np.float32)
 
 
 def make_weight(fmt, N, K, seed=0):

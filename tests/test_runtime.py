@@ -75,6 +75,21 @@ def test_staged_buffer_used_by_kernel(dev):
     rec.release()
 
 
+def test_barriers_follow_every_hazard(dev):
+    """A barrier between two commands exactly when the second reads what the first wrote, or
+    writes what an earlier command since the last barrier read or wrote (the hazards, counted
+    here from their definition)."""
+    k = get_kernel(dev, "scale", compile_glsl("scale", SCALE), 1, 8)
+    a, b, c = (Buffer(dev, 400) for _ in range(3))
+    rec = Recording(dev, 4)
+    rec.copy(a, b, 400)                 # reads a, writes b
+    rec.copy(c, a, 400)                 # writes a after it was read: write-after-read
+    rec.dispatch(k, [c], (2,), struct.pack("fI", 2.0, 100))     # c read above, now written
+    rec.copy(b, a, 400)                 # a written (and b written) before the last barrier only
+    assert rec.n_barriers == 2
+    rec.release()
+
+
 def test_dispatch_checks_arguments(dev):
     k = get_kernel(dev, "scale", compile_glsl("scale", SCALE), 1, 8)
     rec = Recording(dev, 1)

@@ -12,6 +12,7 @@ from vkdsl.train.config import TrainConfig
 from vkdsl.train.inject import InjectError, inject, params_of
 from vkdsl.train.step import Stepper, select
 from fixtures.synthetic import build_tiny
+from fixtures.train_data import batch
 
 IGN = -100
 
@@ -27,16 +28,6 @@ def model_with_adapters(tiny, **kw):
     cfg = TrainConfig(**{**dict(targets=["attn_q", "v_proj", "blk.1.ffn_down"], rank=4, alpha=8.0, lr=0.05), **kw})
     names = inject(m, cfg)
     return m, names, cfg
-
-
-def batch(B=4, T=16, seed=0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(3, 300, (B, T)).astype(np.int32)
-    lab = np.full((B, T), IGN, np.int32)
-    for b in range(B):                               # a different number of supervised tokens per row
-        n = 2 + b
-        lab[b, T - n - 1:T - 1] = ids[b, T - n:]
-    return ids, lab
 
 
 def set_params(params, arrays):
@@ -187,6 +178,22 @@ def test_cached_base_logits_give_the_same_training(tiny):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["tmkl"] == pytest.approx(b["tmkl"], rel=1e-5)
     for a, b in zip(p0, p1):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_cached_base_logits_follow_the_whole_reply(tiny):
+    # two rows equal up to their first supervised target, different after: each must get its own
+    # base logits (what an uncached base forward gives), not the other's
+    m, names, cfg = model_with_adapters(tiny, tmkl=0.5)
+    st = Stepper(m, params_of(m, names), cfg)
+    ids, lab = batch(B=2, seed=5)
+    ids[1], lab[1] = ids[0], lab[0]
+    sup = np.flatnonzero(lab[1] != IGN)
+    ids[1, sup[-1]] = (ids[1, sup[-1]] + 7) % 300       # a later reply token differs
+    pos, _ = select(lab)
+    st.base_cache.logits(ids[:1], lab[:1], select(lab[:1])[0])     # row 0 cached first
+    got = st.base_cache.logits(ids, lab, pos)
+    want = st.base_cache.fn(ids, pos)
+    np.testing.assert_allclose(got[:int((lab != IGN).sum())], want[:int((lab != IGN).sum())], atol=1e-5)
 
 
 def test_a_cache_over_budget_computes_in_step(tiny):
