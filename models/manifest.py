@@ -7,7 +7,6 @@ dtype, plus whatever the trainer passes: data hashes, seeds, objective, metrics,
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ from vkdsl.fileio import atomic_write
 from vkdsl.ops.lora import lora_scale
 
 from .errors import ModelFileError
+from .identity import base_sha256, chat_template_sha256, tokenizer_sha256
 
 MANIFEST_NAME = "vkdsl_manifest.json"
 MANIFEST_VERSION = 1
@@ -26,59 +26,6 @@ MANIFEST_VERSION = 1
 
 class ManifestMismatch(ModelFileError):
     """The adapter's manifest names another base model or tokenizer."""
-
-
-# ----------------------------------------------------------------------------- hashes
-
-_HASH_CACHE: dict[tuple, str] = {}
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes (cached per path, size and mtime within the process)."""
-    path = Path(path)
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASH_CACHE:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        _HASH_CACHE[key] = h.hexdigest()
-    return _HASH_CACHE[key]
-
-
-def base_sha256(model_path: str | os.PathLike) -> str:
-    """sha256 of a GGUF file; for a HF folder, sha256 over the sorted (file name, sha256) of
-    config.json and its *.safetensors weight files."""
-    p = Path(model_path)
-    if not p.is_dir():
-        return file_sha256(p)
-    files = sorted([p / "config.json"] + list(p.glob("*.safetensors")))
-    h = hashlib.sha256()
-    for f in files:
-        if f.is_file():
-            h.update(f"{f.name}\0{file_sha256(f)}\n".encode())
-    return h.hexdigest()
-
-
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def tokenizer_sha256(tokenizer) -> str:
-    """sha256 of the token list (in id order) and the merges (rank order, "a b" strings).
-    The same vocabulary read from a GGUF file and from tokenizer.json hashes the same."""
-    engine = tokenizer._engine
-    vocab = engine.get_vocab(with_added_tokens=True)
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    model = json.loads(engine.to_str()).get("model", {})
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return _sha(json.dumps({"tokens": tokens, "merges": merges}, ensure_ascii=False))
-
-
-def chat_template_sha256(tokenizer) -> str | None:
-    t = getattr(tokenizer, "chat_template", None)
-    return None if not t else _sha(t)
 
 
 # ----------------------------------------------------------------------------- build / io

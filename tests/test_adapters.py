@@ -27,8 +27,8 @@ from vkdsl.models import ModelFileError, hf_to_gguf_rows, load_model_files
 from vkdsl.models.adapters import (LINEARS, load_adapter, save_adapter_bundle,
                                    save_gguf_adapter, save_peft)
 from vkdsl.models.llama import Llama
-from vkdsl.models.manifest import (ManifestMismatch, build_manifest, read_manifest,
-                                   tokenizer_sha256, write_manifest)
+from vkdsl.models.identity import tokenizer_sha256
+from vkdsl.models.manifest import (ManifestMismatch, build_manifest, read_manifest, write_manifest)
 from vkdsl.models.merge import compare_logits, merge
 
 IDS = [5, 17, 200, 33, 9, 1, 2, 250, 44, 45, 46]

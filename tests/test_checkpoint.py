@@ -84,6 +84,16 @@ def test_a_checkpoint_of_another_data_order_is_refused(setup, stopped, tmp_path)
         run(cfg, d, resume=d, evidence_at_end=False)
 
 
+def test_a_checkpoint_of_the_previous_format_is_refused_in_one_line(setup, stopped, tmp_path, capsys):
+    # format 2 hashed the tokenizer another way: its identity cannot be compared, so it is refused
+    from vkdsl.cli.train import main
+    d = _copy(stopped[0], tmp_path / "f2")
+    _rewrite(d / checkpoint.NAME, lambda m, meta: meta.update(format=2))
+    assert main(["--resume", str(d)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checkpoint.npz: a checkpoint of format 2" in err[0] and "start a new run" in err[0]
+
+
 def test_the_old_two_file_format_is_not_resumed(tmp_path):
     (tmp_path / "checkpoint.json").write_text('{"step": 2}')
     with pytest.raises(CheckpointError, match="old two-file format"):

@@ -286,6 +286,6 @@ def test_a_run_resumes_only_at_its_own_precision(tmp_path):
     setup = tiny_setup(tmp_path / "setup")
     train(tiny_cfg(setup, steps=2, checkpoint_every=1), tmp_path / "run", evidence_at_end=False)
     cfg16 = tiny_cfg(setup, steps=3, checkpoint_every=1, precision="fp16")
-    with matmul_precision("fp16"), pytest.raises(CheckpointError, match=r"refusing to resume: the run's matmuls were "
-                                                                        r"at precision fp32, this config asks for fp16"):
+    with matmul_precision("fp16"), pytest.raises(CheckpointError, match=r"refusing to resume: the matmul precision differs "
+                                                                        r"from the run's \(precision 'fp32' then, 'fp16' now\)"):
         train(cfg16, tmp_path / "run", resume=tmp_path / "run", evidence_at_end=False)

@@ -98,7 +98,7 @@ def test_format_equals_greedy_generation(fitted):
     held = r.held
     got = {on: held.scores(on)["format"] for on in (True, False)}
     for on in (True, False):
-        assert got[on] == [greedy_is_label(r, r.heldout[i], on) for i in held.cand_idx], f"adapters_on={on}"
+        assert got[on] == [greedy_is_label(r, r.heldout[i], on) for i in range(len(r.heldout))], f"adapters_on={on}"
     if "more" in r.cfg.train_file:                      # right first token, then more than end-of-turn
         assert not any(got[True]) and r.final["heldout_acc"] > 0.5
     else:
@@ -108,11 +108,11 @@ def test_format_equals_greedy_generation(fitted):
 def test_final_evidence_carries_every_surface(fitted):
     f = fitted.final
     assert 0 <= f["calibration"]["ece"] <= 1 and len(f["calibration"]["bins"]) == 10
-    assert f["format_n"] == len(fitted.held.cand_idx)
+    assert f["format_n"] == len(fitted.heldout)
     assert len(f["format_failures"]) == min(3, round((1 - f["format_valid"]) * f["format_n"]))
     # per-category accuracy recomputed from the decisions and the rows' own labels
     labels = [x.strip() for x in fitted.cfg.labels]
-    rows = [fitted.heldout[i] for i in fitted.held.cand_idx]
+    rows = list(fitted.heldout)
     hits = {}
     for row, d in zip(rows, f["decisions"]):
         hits.setdefault(row.category or "-", []).append(labels[d] == row.completion.strip())

@@ -92,9 +92,9 @@ def test_preflight_zero_lr_and_dead_adapter(setup, tmp_path):
 def test_resume_refuses_other_base(setup, tmp_path):
     ident = {"base_sha256": "a" * 64, "tokenizer_sha256": "b" * 64}
     checkpoint.check_identity(dict(ident), ident)
-    with pytest.raises(ValueError, match="base model file differs"):
+    with pytest.raises(ValueError, match="the base model differs"):
         checkpoint.check_identity({**ident, "base_sha256": "c" * 64}, ident)
-    with pytest.raises(ValueError, match="tokenizer differs"):
+    with pytest.raises(ValueError, match="the tokenizer differs"):
         checkpoint.check_identity({**ident, "tokenizer_sha256": "c" * 64}, ident)
 
 

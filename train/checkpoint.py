@@ -21,30 +21,11 @@ from vkdsl.fileio import atomic_write
 NAME = "checkpoint.npz"
 DPO = "dpo_checkpoint.npz"       # the DPO stage's own checkpoint, beside the SFT stage's finished one
 LEGACY = "checkpoint.json"        # the two-file format of earlier versions: never resumed from
-FORMAT = 2
+FORMAT = 3                        # 3: the identity of models.identity (one tokenizer_sha256 everywhere)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, damaged or inconsistent: resuming from it is refused."""
-
-
-def sha256_file(path, chunk=1 << 20) -> str:
-    h = hashlib.sha256()
-    p = Path(path)
-    files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
-    for f in files:
-        with open(f, "rb") as fh:
-            while b := fh.read(chunk):
-                h.update(b)
-    return h.hexdigest()
-
-
-def tokenizer_hash(tok) -> str:
-    h = hashlib.sha256()
-    for i in range(tok.vocab_size):
-        h.update((tok.id_to_token(i) or "").encode("utf-8", "surrogatepass") + b"\0")
-    h.update(str((tok.bos_id, tok.eos_id, tok.pad_id, tok.chat_template)).encode())
-    return h.hexdigest()
 
 
 def _digest(a: np.ndarray) -> str:
@@ -89,9 +70,12 @@ def load(run_dir, name=NAME):
         meta = json.loads(members.pop("meta").tobytes())
     except (KeyError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: no readable meta member ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {meta.get('format') if isinstance(meta, dict) else '?'}, "
-                              f"expected {FORMAT}")
+    fmt = meta.get("format") if isinstance(meta, dict) else "?"
+    if fmt == 2:
+        raise CheckpointError(f"{path}: a checkpoint of format 2, whose base and tokenizer hashes are not this "
+                              f"version's (format {FORMAT}): it cannot be resumed exactly (start a new run)")
+    if fmt != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {fmt}, expected {FORMAT}")
     want = meta.get("sha256", {})
     if set(want) != set(members):
         raise CheckpointError(f"{path}: members {sorted(members)} do not match the ones its meta lists {sorted(want)}")
@@ -117,23 +101,20 @@ def check_order(path, meta, fresh, what):
         raise CheckpointError(f"{path}: its data-order state is not the one of step {meta['step']} with {what}")
 
 
+# what each identity key names, in a refusal (models.identity.of_run)
+IDENTITY = {"base_sha256": "the base model", "tokenizer_sha256": "the tokenizer", "chat_template_sha256":
+            "the chat template", "special_tokens": "the special tokens (bos, eos, pad, end of turn)",
+            "quant": "the base's storage (quant)", "precision": "the matmul precision",
+            "train_file_sha256": "the train_file's content", "dpo_train_file_sha256": "the dpo_train_file's content"}
+
+
 def check_identity(meta, identity):
-    for k in ("base_sha256", "tokenizer_sha256"):
-        if meta.get(k) != identity[k]:
-            what = "base model file" if k == "base_sha256" else "tokenizer"
-            raise CheckpointError(f"refusing to resume: the {what} differs from the run's "
-                                  f"({k} {str(meta.get(k))[:12]}... vs {identity[k][:12]}...)")
-    for k, what in (("train_sha256", "train_file"), ("dpo_train_sha256", "dpo_train_file")):
-        # the rows a run trains on are part of what it is (checkpoints before this key: not checked)
-        if k in meta and k in identity and meta[k] != identity[k]:
-            raise CheckpointError(f"refusing to resume: the {what}'s content differs from the one the run trained on "
-                                  f"({k} {str(meta[k])[:12]}... vs {identity[k][:12]}...); start a new run for new data")
-    if meta.get("precision", "fp32") != identity.get("precision", "fp32"):
-        raise CheckpointError(f"refusing to resume: the run's matmuls were at precision {meta.get('precision', 'fp32')}, "
-                              f"this config asks for {identity.get('precision', 'fp32')}")
-    if meta.get("quant", "keep") != identity.get("quant", "keep"):
-        raise CheckpointError(f"refusing to resume: the run trained on the base stored as quant "
-                              f"{meta.get('quant', 'keep')!r}, this config asks for {identity.get('quant', 'keep')!r}")
+    """A resume must compute as the run did, on the same rows: refuse any difference, naming it."""
+    for k, what in IDENTITY.items():
+        if meta.get(k) != identity.get(k):
+            show = lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) == 64 else repr(v)   # noqa: E731
+            raise CheckpointError(f"refusing to resume: {what} differs from the run's ({k} {show(meta.get(k))} "
+                                  f"then, {show(identity.get(k))} now); start a new run for new data or settings")
 
 
 def remove_stale_temps(run_dir) -> list[Path]:

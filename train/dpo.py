@@ -20,6 +20,7 @@ import numpy as np
 
 import vkdsl
 from vkdsl.autograd import grad
+from vkdsl.models.identity import digest
 from vkdsl.ops import losses
 
 from . import checkpoint, loop
@@ -106,14 +107,16 @@ def reference_logps(scorer, pairs, adapters_on: bool):
     return np.array([x for x, _ in c]), np.array([x for x, _ in r])
 
 
-def cache_key(base_sha: str, tok_hash: str, template_hash: str, pairs, reference: str, adapter_sum: str) -> str:
+def cache_key(identity: dict, pairs, reference: str, adapter_sum: str) -> str:
+    """What the reference log-probs depend on: the run's identity (base, tokenizer, template, quant,
+    precision), the reference, the adapter it stands on, and every response's token ids and masks."""
     h = hashlib.sha256()
-    for part in (base_sha, tok_hash, template_hash, reference, adapter_sum):
-        h.update(str(part).encode() + b"\0")
-    for p in pairs:                     # token ids and masks of every response
+    for p in pairs:
         for ex in (p.chosen, p.rejected):
             h.update(np.asarray(ex.ids, np.int32).tobytes() + np.asarray(ex.labels, np.int32).tobytes())
-    return h.hexdigest()
+    keep = ("base_sha256", "tokenizer_sha256", "chat_template_sha256", "quant", "precision")
+    return digest({**{k: identity.get(k) for k in keep}, "reference": reference, "adapter": adapter_sum,
+                   "rows": h.hexdigest()})
 
 
 def cached_reference(path: Path, key: str, compute, say=lambda s: None, group=None):
@@ -230,13 +233,14 @@ class DpoObjective:
                  f"{rec['time']:.1f}s")
 
 
-def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event, reference: str, hashes: dict,
+def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event, reference: str, identity: dict,
               prefix=None, group=None, stage=None):
     """reference: 'base' (adapter off), 'sft' (the adapter as it stands now, frozen), 'none'.
     cfg: a TrainConfig (dpo_*, bucket, max_len, eval_batch, clip, betas, eps, weight_decay,
     data_seed, min_lr_ratio). prefix: train.prefix.FrozenPrefix. Reference log-probs and evidence
     are scored in shards over group's ranks and gathered. stage: f(objective, optimizer) -> None
     runs the loop (train.stages: checkpoints and resume); None: train.loop.train from step 0.
+    identity: the run's (models.identity.of_run), for the reference cache's key.
     Returns (history, final evidence dict)."""
     g = group or Single()
     prefix = prefix or FrozenPrefix(model, 0, 0)
@@ -247,7 +251,7 @@ def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event
     else:
         on = reference == "sft"
         adapter_sum = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest() if on else "off"
-        key = cache_key(hashes["base"], hashes["tokenizer"], hashes["template"], pairs + heldout, reference, adapter_sum)
+        key = cache_key(identity, pairs + heldout, reference, adapter_sum)
         t0 = time.perf_counter()
         both = cached_reference(run_dir / "dpo_reference.json", key,
                                 lambda: reference_logps(scorer, pairs + heldout, on), say, g)

@@ -126,16 +126,6 @@ def mean_loss(scored):
     return tot / max(n, 1)
 
 
-def label_candidates(heldout: list[Example], labels, encode):
-    """For rows whose completion is a declared label: one scored row per label."""
-    idx, cands = [], []
-    for i, ex in enumerate(heldout):
-        if ex.completion.strip() in labels:
-            idx.append(i)
-            cands += [encode(ex, lab) for lab in labels]
-    return idx, cands
-
-
 def label_probs(lp: np.ndarray) -> np.ndarray:
     """(n, L) label log-probs -> each row's probabilities renormalized within the label set."""
     z = lp - lp.max(axis=1, keepdims=True)

@@ -26,66 +26,75 @@ class Heldout:
                                     f"({', '.join(self.labels)}): every held-out row is scored as a label decision; "
                                     f"fix the row, add the label (--labels), or turn label evaluation off "
                                     f"(--no-label-eval: held-out loss only)")
-        self.cand_idx, self.cands = evidence.label_candidates(heldout, self.labels, self.encode_candidate)
-        self.extra = self._single_token_labels(heldout, self.cand_idx, self.cands)
+        # one candidate row per (row, label); the single-token plan where every label is one token
+        self.cands, self.extra = self._candidates(heldout)
 
     def encode_candidate(self, ex, label):
         c = self.cfg
         return encode_row(with_completion(ex.obj, label), self.tok, c.chat_template, c.max_len,
                           c.truncation_side, ex.where)
 
-    def _single_token_labels(self, rows, idx, cands):
-        """Per row [(answer position, label token) for each label] when every label is one token
-        at the same position after an identical prefix; else None (score candidates)."""
+    def _candidates(self, rows):
+        """(one candidate row per (row, label), per row [(answer position, label token)] when every
+        label is one token at the same position after an identical prefix, else None)."""
+        if not self.labels:
+            return [], None
+        cands = [self.encode_candidate(ex, lab) for ex in rows for lab in self.labels]
         L, end = len(self.labels), reply_end(self.tok, self.cfg.chat_template)
-        extra = [[] for _ in rows]
-        for j, i in enumerate(idx):
-            ex = rows[i]
+        extra = []
+        for j, ex in enumerate(rows):
             p0 = next(t for t, x in enumerate(ex.labels) if x != IGNORE)
+            extra.append([])
             for c in cands[j * L:(j + 1) * L]:
                 q0 = next(t for t, x in enumerate(c.labels) if x != IGNORE)
                 sup = [x for x in c.labels if x != IGNORE]
                 if q0 != p0 or c.ids[:p0 + 1] != ex.ids[:p0 + 1] or len(sup) != 2 or sup[1] != end:
-                    return None
-                extra[i].append((p0, sup[0]))
-        return extra
+                    return cands, None
+                extra[j].append((p0, sup[0]))
+        return cands, extra
+
+    def label_matrix(self, rows, adapters_on=True, plan=None, scorer=None):
+        """The one label-matrix builder: (n, L) log-probs of each label as the completion of each
+        row, and the scoring pass's RowScores. One pass over the rows (the label tokens' log-probs at
+        the answer position) when the labels are single tokens, else one over the candidate rows.
+        plan: _candidates(rows) when known. The label probabilities within the label set are a
+        softmax of a row (two-way for two labels): not the model's probability of emitting it."""
+        cands, extra = plan or self._candidates(rows)
+        scorer = scorer or self.scorer
+        if extra is not None:
+            sc = scorer.scores(rows, adapters_on, extra)
+            M = sc.extra
+        else:
+            sc = scorer.scores(cands, adapters_on)
+            M = [s for s, _ in sc.sums]
+        return np.array(M, np.float64).reshape(len(rows), len(self.labels)), sc
 
     def label_logprobs(self, rows, adapters_on=True):
-        """For the rows whose completion is one of cfg.labels: (their indices, (n, L) log-probs of
-        each label as the completion). The label probabilities within the label set are softmax of a
-        row (two-way for two labels): not the model's probability of emitting that token."""
-        idx, cands = evidence.label_candidates(rows, self.labels, self.encode_candidate)
+        """For the rows whose completion is one of the labels: (their indices, label_matrix)."""
+        idx = [i for i, ex in enumerate(rows) if ex.completion.strip() in self.labels]
         if not idx:
             return idx, np.zeros((0, len(self.labels)))
-        extra = self._single_token_labels(rows, idx, cands)
-        if extra is not None:
-            _, ext = self.scorer.row_logprobs(rows, adapters_on, extra)
-            return idx, np.array([ext[i] for i in idx], np.float64)
-        sc = self.scorer.row_logprobs(cands, adapters_on)
-        return idx, np.array([s for s, _ in sc], np.float64).reshape(len(idx), len(self.labels))
+        return idx, self.label_matrix([rows[i] for i in idx], adapters_on)[0]
 
     def scores(self, adapters_on, with_format=True):
-        """Held-out loss (per row), label log-probs of the labelled rows, whether each labelled row's
-        greedy continuation is exactly one label then end-of-turn (format; in single-token mode a
-        second pass over the rows whose greedy label is not the true one, skipped without
-        with_format), preservation loss."""
-        L = len(self.labels)
-        truth = [self.labels.index(self.heldout[i].completion.strip()) for i in self.cand_idx]
-        if self.extra is not None:
-            sc = self.scorer.scores(self.heldout, adapters_on, self.extra)
+        """Held-out loss (per row), the label matrix, whether each row's greedy continuation is
+        exactly one label then end-of-turn (format; in single-token mode a second pass over the rows
+        whose greedy label is not the true one, skipped without with_format), preservation loss."""
+        L, rows = len(self.labels), self.heldout
+        truth = [self.labels.index(ex.completion.strip()) for ex in rows] if L else []
+        fmt = []
+        if not L:                                   # no label decisions: held-out loss only
+            held, M = self.scorer.row_logprobs(rows, adapters_on), np.zeros((0, 0))
+        elif self.extra is not None:
+            M, sc = self.label_matrix(rows, adapters_on, (self.cands, self.extra))
             held = sc.sums
-            M = np.array([sc.extra[i] for i in self.cand_idx], np.float64).reshape(len(self.cand_idx), L)
             # greedy: the first token is the label whose token is the argmax at the answer position;
             # then end-of-turn must be the argmax after it (on the row carrying that label)
-            fmt, pending = [], []
-            for j, i in enumerate(self.cand_idx):
-                g = [lab for lab, flag in enumerate(sc.extra_greedy[i]) if flag]
-                if not g:
-                    fmt.append(False)
-                elif g[0] == truth[j]:
-                    fmt.append(sc.greedy[i])
-                else:
-                    fmt.append(None)
+            pending = []
+            for j, t in enumerate(truth):
+                g = [lab for lab, flag in enumerate(sc.extra_greedy[j]) if flag]
+                fmt.append(False if not g else sc.greedy[j] if g[0] == t else None)
+                if g and g[0] != t:
                     pending.append((j, self.cands[j * L + g[0]]))
             if not with_format:
                 fmt = []
@@ -93,18 +102,10 @@ class Heldout:
                 for (j, _), flag in zip(pending, self.scorer.scores([c for _, c in pending], adapters_on).greedy):
                     fmt[j] = flag
         else:
-            lab_set = set(self.cand_idx)
-            rest = [ex for i, ex in enumerate(self.heldout) if i not in lab_set]
-            cs = self.scorer.scores(self.cands, adapters_on) if self.cands else None
-            cand = cs.sums if cs else []
-            other = self.scorer.row_logprobs(rest, adapters_on) if rest else []
-            M = np.array([s for s, _ in cand], np.float64).reshape(len(self.cand_idx), L)
+            M, sc = self.label_matrix(rows, adapters_on, (self.cands, None))
+            held = [sc.sums[j * L + t] for j, t in enumerate(truth)]     # the true label's candidate is the row
             # greedy reproduces a candidate (label + end-of-turn) iff every one of its tokens is greedy
-            fmt = [any(cs.greedy[j * L:(j + 1) * L]) for j in range(len(self.cand_idx))]
-            held, it = [], iter(other)
-            pos = {i: j for j, i in enumerate(self.cand_idx)}
-            for i, ex in enumerate(self.heldout):       # the true label's candidate is the row itself
-                held.append(cand[pos[i] * L + self.labels.index(ex.completion.strip())] if i in pos else next(it))
+            fmt = [any(sc.greedy[j * L:(j + 1) * L]) for j in range(len(rows))]
         n = len(truth)
         k = int(sum(int(np.argmax(M[j])) == t for j, t in enumerate(truth)))
         pres = self.scorer.row_logprobs(self.passages, adapters_on) if self.passages else []
@@ -117,7 +118,7 @@ class Heldout:
         decisions of one scoring pass (_scores)."""
         M, truth, fmt = sc["label_lp"], sc["truth"], sc["format"]
         out = {"calibration": evidence.calibration(M, truth),
-               "slices": evidence.slices(self.heldout, sc["held"], self.cand_idx, M, truth),
+               "slices": evidence.slices(self.heldout, sc["held"], range(len(truth)), M, truth),
                "decisions": [int(x) for x in M.argmax(1)] if len(truth) else []}
         if fmt:
             out["format_valid"] = float(np.mean(fmt))
@@ -140,7 +141,7 @@ class Heldout:
         N = self.cfg.format_tokens
         prompts = []
         for j in which:
-            ex = self.heldout[self.cand_idx[j]]
+            ex = self.heldout[j]
             p0 = next(t for t, x in enumerate(ex.labels) if x != IGNORE)
             prompts.append((ex, ex.ids[:p0 + 1]))
         saved = self.model.lora
@@ -164,19 +165,13 @@ class Heldout:
         return self._group().from_root(self._fp32_decisions, n_rows)
 
     def _fp32_decisions(self, n_rows):
-        js = list(range(min(n_rows, len(self.cand_idx))))
-        if not js or self.cfg.quant == "none":
+        n = min(n_rows, len(self.heldout)) if self.labels else 0
+        if not n or self.cfg.quant == "none":
             return None
         fp = Llama(self.ckpt, quant="none")
         fp.lora = dict(self.model.lora)
         scorer = evidence.Scorer(fp, self.pad, self.cfg.bucket, self.cfg.max_len, self.cfg.eval_batch)
-        L = len(self.labels)
-        rows = [self.heldout[self.cand_idx[j]] for j in js]
-        if self.extra is not None:
-            ext = scorer.scores(rows, True, [self.extra[self.cand_idx[j]] for j in js]).extra
-            M = np.array(ext, np.float64)
-        else:
-            M = np.array([s for s, _ in scorer.row_logprobs([c for j in js for c in self.cands[j * L:(j + 1) * L]])],
-                         np.float64).reshape(len(js), L)
+        plan = (self.cands[:n * len(self.labels)], None if self.extra is None else self.extra[:n])
+        M, _ = self.label_matrix(self.heldout[:n], True, plan, scorer)
         del fp, scorer
         return [int(x) for x in M.argmax(1)]

@@ -2,18 +2,14 @@
 (PEFT folder, GGUF LoRA, provenance manifest) and report.html."""
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 
 import vkdsl
+from vkdsl.models.identity import file_sha256
 
 from . import checkpoint, dpo, evidence, loop
 from .report import build_report
-
-
-def _hash_text(t) -> str:
-    return hashlib.sha256(str(t).encode()).hexdigest()
 
 
 def _dpo_loop(r, obj, opt, stop_after=None):
@@ -63,15 +59,13 @@ def dpo_stage(r, stop_after=None):
     reference = cfg.reference if cfg.reference != "auto" else ("sft" if cfg.objective == "sft+dpo" else "base")
     rep.say(f"DPO: {len(pairs)} training pairs, {len(held)} held-out pairs, beta {cfg.dpo_beta}, reference = "
             f"{ {'sft': 'the SFT adapter, frozen', 'base': 'the base (adapter off)', 'none': 'none (control)'}[reference]}")
-    hashes = {"base": f"{r.identity['base_sha256']}:{cfg.quant}", "tokenizer": r.identity["tokenizer_sha256"],
-              "template": _hash_text(r.tok.chat_template)}
     base_pres = r.base["pres"] if getattr(r, "base", None) else None
 
     def event(kind, **rec):
         rep.event(kind, **rec)
         r.records.append(kind, **{**rec, "step": cfg.steps + rec.get("step", 0)})
     t0 = time.perf_counter()
-    history, ev = dpo.train_dpo(r.model, r.params, cfg, r.pad, pairs, held, r.dir, rep.say, event, reference, hashes,
+    history, ev = dpo.train_dpo(r.model, r.params, cfg, r.pad, pairs, held, r.dir, rep.say, event, reference, r.identity,
                                 r.prefix, r.group, lambda obj, opt: _dpo_loop(r, obj, opt, stop_after))
     r.dpo_history = history
     after = r.held.scores(adapters_on=True)          # every surface again, after DPO (one scoring pass)
@@ -119,7 +113,7 @@ def export(r, dpo_ev=None):
     summary = {"objective": cfg.objective, "sft_steps": r.step, "dpo_steps": cfg.dpo_steps if "dpo" in cfg.objective
                else 0, "final": r.final, "gates": evidence.gate_records(r.gates),
                "dpo": dpo_ev}
-    extra = {"data": {k: {"file": getattr(cfg, k), "sha256": checkpoint.sha256_file(getattr(cfg, k))}
+    extra = {"data": {k: {"file": getattr(cfg, k), "sha256": file_sha256(getattr(cfg, k))}
                       for k in ("train_file", "heldout_file", "preservation_file", "dpo_train_file", "dpo_heldout_file")
                       if getattr(cfg, k)},
              "rows": {"train": len(r.train), "heldout": len(r.heldout), "preservation": len(r.passages)},

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import math
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vkdsl.models import load_model_files
+from vkdsl.models import identity, load_model_files
 from vkdsl.models.llama import Llama
 from vkdsl.ops.losses import check_labels
 from vkdsl.precision import current as matmul_precision_now
@@ -49,18 +48,14 @@ class Run:
         if reuse is not None and (reuse.model_path, reuse.cfg.quant) != (path, cfg.quant):
             reuse = None
         if reuse is not None:
-            self.ckpt, self.tok, self.model, self.identity = reuse.ckpt, reuse.tok, reuse.model, reuse.identity
+            self.ckpt, self.tok, self.model = reuse.ckpt, reuse.tok, reuse.model
             self.model.lora = {}
         else:
             self.ckpt, self.tok = files if files is not None else load_model_files(path)
             self.model = Llama(self.ckpt, quant=cfg.quant)
-            self.identity = {"base_sha256": checkpoint.sha256_file(path),
-                             "tokenizer_sha256": checkpoint.tokenizer_hash(self.tok), "quant": cfg.quant}
-        # a resume must compute as the run did, on the same rows
-        self.identity = {**self.identity, "precision": cfg.precision,
-                         "train_sha256": checkpoint.sha256_file(cfg.train_file)}
-        if "dpo" in cfg.objective:
-            self.identity["dpo_train_sha256"] = checkpoint.sha256_file(cfg.dpo_train_file)
+        # what a resume and the caches must find unchanged: the base, tokenizer, settings and rows
+        self.identity = identity.of_run(path, self.tok, cfg.quant, cfg.precision, {
+            "train_file": cfg.train_file, "dpo_train_file": cfg.dpo_train_file if "dpo" in cfg.objective else ""})
         if cfg.max_len > self.model.cfg.context_length:
             raise ValueError(f"max_len {cfg.max_len} is beyond the model's context of {self.model.cfg.context_length} "
                              f"tokens ({path})")
@@ -188,11 +183,10 @@ class Run:
         """What the base model's evaluation depends on: base, tokenizer, data files and the settings
         that shape the scored rows."""
         c = self.cfg
-        parts = {**self.identity, "heldout": checkpoint.sha256_file(c.heldout_file),
-                 "preservation": checkpoint.sha256_file(c.preservation_file) if c.preservation_file else "",
-                 "settings": [c.quant, c.labels, c.chat_template, c.max_len, c.truncation_side, c.bucket, c.eval_batch,
-                              c.format_tokens, c.format_examples]}
-        return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+        return identity.digest({**self.identity, "heldout": identity.file_sha256(c.heldout_file) if c.heldout_file else "",
+                                "preservation": identity.file_sha256(c.preservation_file) if c.preservation_file else "",
+                                "settings": [c.labels, c.label_eval, c.chat_template, c.max_len, c.truncation_side,
+                                             c.bucket, c.eval_batch, c.format_tokens, c.format_examples]})
 
     def evaluate(self, final=False):
         """The evidence at this step; final: also the fp32-dequantized base's decisions (stability)."""

@@ -15,7 +15,8 @@ from vkdsl.fileio import atomic_write
 from vkdsl.ops.lora import lora_scale
 
 from ..errors import ModelFileError
-from ..manifest import file_sha256, write_manifest
+from ..identity import file_sha256
+from ..manifest import write_manifest
 from ..safetensors_loader import as_f32, read_safetensors, safetensors_bytes
 from . import common
 

@@ -53,7 +53,7 @@ def sample(rows: list, n: int) -> list:
 
 
 def need_labels(r, probe: str):
-    if not r.held.cand_idx:
+    if not r.held.labels or not r.heldout:
         raise ProbeError(f"probe {probe} needs held-out rows whose completion is one of the labels "
                          f"({', '.join(r.cfg.labels)}); {r.cfg.heldout_file} has none")
 
