@@ -17,6 +17,7 @@ import numpy as np
 
 import vkdsl
 from vkdsl import Tensor
+from vkdsl.autograd import checkpoint as checkpoint_fn
 from vkdsl.realize import depends_on
 from vkdsl.runtime import default_device
 from vkdsl.ops import attention, nn
@@ -129,18 +130,48 @@ class Llama:
         lo = self.lora.get(name)
         return y + lo.delta(x) if (lo is not None and adapters_on) else y
 
+    def _adapter_tensors(self, layers, adapters_on):
+        """The LoRA A and B tensors of those layers (what a checkpointed group's backward differentiates)."""
+        los = [self.lora.get(f"blk.{i}.{m}") for i in layers for m in LINEARS] if adapters_on else []
+        return [t for lo in los if lo is not None for t in (lo.A, lo.B)]
+
+    def _layer(self, i, x, adapters_on, cos, sin, kv, mask):
+        """One transformer block: x (B, T, dim) -> x after attention and the SwiGLU MLP."""
+        c = self.cfg
+        B, T = x.shape[:2]
+        H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        p = f"blk.{i}."
+        h = nn.rmsnorm(x, self.norm[p + "attn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
+        q = self._lin(p + "attn_q", h, adapters_on).reshape(B, T, H, D)
+        k = self._lin(p + "attn_k", h, adapters_on).reshape(B, T, KV, D)
+        if c.qk_norm:                               # Qwen3: each head normalized before RoPE
+            q = nn.rmsnorm(q, self.norm[p + "attn_q_norm.weight"], c.norm_eps)
+            k = nn.rmsnorm(k, self.norm[p + "attn_k_norm.weight"], c.norm_eps)
+        q, k = nn.rope(q, cos, sin), nn.rope(k, cos, sin)
+        v = self._lin(p + "attn_v", h, adapters_on).reshape(B, T, KV, D)
+        if kv is not None:
+            k, v, causal = kv.layer(i, k, v)       # a KV cache may substitute its keys/values
+            a = attention.attention(q, k, v, mask=mask, causal=causal)
+        else:
+            a = attention.attention(q, k, v, mask=mask)
+        x = x + self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on).reshape(B, T, c.dim)
+        h = nn.rmsnorm(x, self.norm[p + "ffn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
+        f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
+        return x + self._lin(p + "ffn_down", f, adapters_on).reshape(B, T, c.dim)
+
     def forward(self, ids: Tensor, adapters_on: bool = True, cos=None, sin=None, kv=None, mask=None,
                 hidden_only=False, start: int = 0, stop: int | None = None, positions=None,
-                segments=None) -> Tensor:
+                segments=None, checkpoint: int = 0) -> Tensor:
         """ids: (B, T) int32 -> logits (B, T, vocab).
         kv: optional KV cache (models.generate.KVCache) for generation.
         start > 0: `ids` is instead the residual stream (B, T, dim) entering layer `start`.
         stop: return the residual stream entering layer `stop` (no final norm, no head).
         positions, segments: (B, T) int32 for packed rows (train.packing): each token's position
-        within its row, and a row id; a token attends only to earlier tokens of its own row."""
+        within its row, and a row id; a token attends only to earlier tokens of its own row.
+        checkpoint K > 0: the backward recomputes each group of K layers from its input instead of
+        keeping their activations (vkdsl.autograd.checkpoint); 0 keeps every activation."""
         c = self.cfg
-        B, T = ids.shape[:2]
-        H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        B, T, D = *ids.shape[:2], c.head_dim
         depends_on(lambda: self.lora.version)       # a traced forward holds these adapter objects
         if T > c.context_length:
             raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
@@ -153,25 +184,16 @@ class Llama:
             same = segments.reshape(B, T, 1).eq(segments.reshape(B, 1, T))
             mask = same.where(0.0, -math.inf)            # (B, T, T): block-diagonal rows
         x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
-        for i in range(start, c.n_layers if stop is None else stop):
-            p = f"blk.{i}."
-            h = nn.rmsnorm(x, self.norm[p + "attn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
-            q = self._lin(p + "attn_q", h, adapters_on).reshape(B, T, H, D)
-            k = self._lin(p + "attn_k", h, adapters_on).reshape(B, T, KV, D)
-            if c.qk_norm:                               # Qwen3: each head normalized before RoPE
-                q = nn.rmsnorm(q, self.norm[p + "attn_q_norm.weight"], c.norm_eps)
-                k = nn.rmsnorm(k, self.norm[p + "attn_k_norm.weight"], c.norm_eps)
-            q, k = nn.rope(q, cos, sin), nn.rope(k, cos, sin)
-            v = self._lin(p + "attn_v", h, adapters_on).reshape(B, T, KV, D)
-            if kv is not None:
-                k, v, causal = kv.layer(i, k, v)       # a KV cache may substitute its keys/values
-                a = attention.attention(q, k, v, mask=mask, causal=causal)
-            else:
-                a = attention.attention(q, k, v, mask=mask)
-            x = x + self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on).reshape(B, T, c.dim)
-            h = nn.rmsnorm(x, self.norm[p + "ffn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
-            f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
-            x = x + self._lin(p + "ffn_down", f, adapters_on).reshape(B, T, c.dim)
+        end = c.n_layers if stop is None else stop
+        K = checkpoint if kv is None else 0            # generation keeps nothing for a backward
+        for g in range(start, end, K or max(1, end - start)):
+            group = range(g, min(end, g + K) if K else end)
+
+            def blocks(x, group=group):
+                for i in group:
+                    x = self._layer(i, x, adapters_on, cos, sin, kv, mask)
+                return x
+            x = checkpoint_fn(blocks, x, self._adapter_tensors(group, adapters_on)) if K else blocks(x)
         if stop is not None:
             return x
         x = nn.rmsnorm(x, self.norm["output_norm.weight"], c.norm_eps)

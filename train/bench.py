@@ -88,7 +88,7 @@ def time_stepper(model, stepper, params, micro, reps=2):
     return t, recs
 
 
-def bench_sft(model, w, B=4, T=256):
+def bench_sft(model, w, B=4, T=256, checkpoint="none"):
     T = min(T, model.cfg.context_length)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
@@ -97,8 +97,9 @@ def bench_sft(model, w, B=4, T=256):
     for name, mods in (("q,v", ("attn_q", "attn_v")), ("all seven", ALL)):
         dev = default_device()
         dev.peak_bytes = dev.allocated_bytes            # each case reports its own peak
-        st, params = sft_stepper(model, mods)
-        case = f"sft {B}x{T}, adapters on {name} (trainer step)"
+        st, params = sft_stepper(model, mods, checkpoint=checkpoint)
+        case = f"sft {B}x{T}, adapters on {name} (trainer step" + ("" if checkpoint == "none" else
+                                                                    f", checkpoint {checkpoint}") + ")"
         try:
             t, recs = time_stepper(model, st, params, [(ids, labels)])
         except DeviceMemoryError as e:             # said as a row: the other cases still run
@@ -203,14 +204,15 @@ def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
              "reference": "precomputed once (adapter off), cached"}]
 
 
-def bench_train(objective="sft", path=None):
+def bench_train(objective="sft", path=None, checkpoint="none"):
     ck, tok = load_model_files(path or default_model_path())
     model = Llama(ck)
     if objective == "dpo":
         return bench_dpo(model)
     w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
-    rows = bench_sft(model, w)
-    if path:                            # the default job's rows and lengths are made for its own model
+    TrainConfig(checkpoint=checkpoint).validate()          # a bad value is one line before any work
+    rows = bench_sft(model, w, checkpoint=checkpoint)
+    if path or checkpoint != "none":    # the default job: its own model and settings
         return rows
     del model
     gc.collect()

@@ -50,6 +50,7 @@ class TrainConfig:
     tmkl: float = 0.3                                # lambda; 0 = plain SFT (no base forward at all)
     tmkl_cache_bytes: int = 1 << 30                  # base logits kept for TMKL; 0 = a base forward every step
     prefix_cache_bytes: int = 1 << 30                # outputs of the layers below the first adapter; 0 = off
+    checkpoint: str = "none"                         # activations in the backward: none (kept), layers, every:K
     lr: float = 2e-3
     warmup: int = 2
     min_lr_ratio: float = 0.1
@@ -118,6 +119,7 @@ class TrainConfig:
              "rehearsal_weight > 0 needs a rehearsal_file of general text"),
             (self.tmkl_cache_bytes >= 0, "tmkl_cache_bytes must be >= 0"),
             (self.prefix_cache_bytes >= 0, "prefix_cache_bytes must be >= 0"),
+            (self.checkpoint_layers >= 0, "checkpoint must be none, layers or every:K with K >= 1"),
             (self.lr > 0, "lr must be > 0"),
             (self.warmup >= 0, "warmup must be >= 0"),
             (self.warmup <= self.steps or self.objective == "dpo",
@@ -152,6 +154,16 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(f"config: {msg}")
         return self
+
+    @property
+    def checkpoint_layers(self) -> int:
+        """Layers per recomputed group in the backward: 0 (none: every activation kept), 1 (layers),
+        K (every:K: one layer input kept in K); -1 for anything else (refused by validate)."""
+        c = str(self.checkpoint)
+        if c in ("none", "layers"):
+            return {"none": 0, "layers": 1}[c]
+        k = c.removeprefix("every:")
+        return int(k) if c.startswith("every:") and k.isdigit() and int(k) >= 1 else -1
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -197,6 +209,9 @@ HELP = {
     "alpha": "LoRA alpha (scale alpha/r, or alpha/sqrt(r) with rslora)",
     "rslora": "rank-stabilized scale alpha/sqrt(r)",
     "tmkl": "lambda of the target-masked KL to the base; 0 = plain SFT (no base forward)",
+    "checkpoint": "activation checkpointing: none keeps every layer's activations for the backward; layers "
+                  "keeps each adapted layer's input and recomputes the layer in the backward; every:K keeps one "
+                  "input in K layers (less memory, one more forward of the adapted layers per step)",
     "tmkl_cache_bytes": "bytes of host memory for the base model's logits at supervised positions, computed "
                         "once per training row; 0 = a base forward in every step",
     "prefix_cache_bytes": "bytes of host memory for the output of the layers below the first adapted one, "

@@ -75,14 +75,17 @@ def _logprob_rows(logits, labels):
     return losses.token_logprobs(logits, labels)[0]
 
 
-def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0):
+def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0, checkpoint: int = 0):
     """Traced: (chosen ids/pos/labels/segments, rejected ..., ref_margin (P,), inv_nc (1,))
     -> (loss, policy chosen logp (P,), policy rejected logp (P,), *grads).
-    start > 0: the ids are the frozen prefix's outputs (train.prefix)."""
+    start > 0: the ids are the frozen prefix's outputs (train.prefix). checkpoint: layers per
+    recomputed group in the backward (Llama.forward)."""
     @vkdsl.trace
     def dpo_step(ids_c, pos_c, lab_c, seg_c, ids_r, pos_r, lab_r, seg_r, ref_margin, inv_nc):
-        lpc, = head_rows(model, selected_hidden(model, ids_c, pos_c, True, start), _logprob_rows, lab_c)
-        lpr, = head_rows(model, selected_hidden(model, ids_r, pos_r, True, start), _logprob_rows, lab_r)
+        lpc, = head_rows(model, selected_hidden(model, ids_c, pos_c, True, start, (), checkpoint), _logprob_rows,
+                         lab_c)
+        lpr, = head_rows(model, selected_hidden(model, ids_r, pos_r, True, start, (), checkpoint), _logprob_rows,
+                         lab_r)
         pc = (seg_c @ lpc.reshape(-1, 1)).reshape(-1)          # (P,) sequence log-probs
         pr = (seg_r @ lpr.reshape(-1, 1)).reshape(-1)
         margin = ((pc - pr) - ref_margin) * beta
@@ -196,7 +199,7 @@ class DpoObjective:
         self.prefix, self.g, self.say, self.event, self.reference = prefix, group, say, event, reference
         self.steps, self.clip = cfg.dpo_steps, cfg.clip
         self.order = PairOrder(len(pairs), cfg.dpo_batch * group.size, cfg.data_seed)
-        self.fn = build_dpo_step(model, params, cfg.dpo_beta, cfg.dpo_nll_weight, prefix.start)
+        self.fn = build_dpo_step(model, params, cfg.dpo_beta, cfg.dpo_nll_weight, prefix.start, cfg.checkpoint_layers)
         self.history = []
 
     def lr(self, step):

@@ -38,13 +38,15 @@ def select(labels: np.ndarray, bucket: int = 16):
     return p, lab
 
 
-def selected_hidden(model, ids, pos, adapters_on, start=0, packing=()):
+def selected_hidden(model, ids, pos, adapters_on, start=0, packing=(), checkpoint=0):
     """The final hidden states (S, dim) at the flat positions pos. ids: (B, T) token ids, or with
     start > 0 the residual stream entering layer `start` (train.prefix.FrozenPrefix).
-    packing: () or (positions, segments) of packed rows (train.packing)."""
+    packing: () or (positions, segments) of packed rows (train.packing). checkpoint: layers per
+    recomputed group in the backward (Llama.forward; 0: every activation kept)."""
     B, T = ids.shape[:2]
     pk = dict(zip(("positions", "segments"), packing))
-    h = model.forward(ids, adapters_on=adapters_on, hidden_only=True, start=start, **pk)   # (B, T, dim)
+    h = model.forward(ids, adapters_on=adapters_on, hidden_only=True, start=start, checkpoint=checkpoint,
+                      **pk)                                                                 # (B, T, dim)
     return h.reshape(B * T, model.cfg.dim).gather(pos)
 
 
@@ -79,12 +81,13 @@ def _cat(parts):
     return out
 
 
-def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0, packed: bool = False):
+def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0, packed: bool = False,
+                  checkpoint: int = 0):
     """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, positions, segments (B,T)] [, base
     logits (S,V) as split_rows' chunks]) -> (ce_sum, kl_sum, *grads). base_input: the base model's
     logits come in (cached) instead of a base forward. start > 0: ids is the frozen prefix's output
     (train.prefix). packed: rows share sequences (train.packing): their positions and segment ids
-    come in too."""
+    come in too. checkpoint: layers per recomputed group (0: keep every activation)."""
     def rows(lg, labels, *base):
         ce = -losses.token_logprobs(lg, labels)[0]
         if not base:
@@ -96,7 +99,7 @@ def build_grad_fn(model, params, lam: float, base_input: bool = False, start: in
     @vkdsl.trace
     def grad_step(ids, pos, labels, inv_n, *rest):
         pk, base = (rest[:2], rest[2:]) if packed else ((), rest)
-        h = selected_hidden(model, ids, pos, True, start, pk)
+        h = selected_hidden(model, ids, pos, True, start, pk, checkpoint)
         base_rows = () if lam <= 0 else (tuple(base),) if base_input else \
             (selected_hidden(model, ids, pos, False, start, pk),)
         obj, ce, *kl = head_rows(model, h, rows, labels, *base_rows)
@@ -215,7 +218,8 @@ class Stepper:
         if cfg.tmkl > 0 and budget > 0:
             self.base_cache = base_cache if base_cache is not None else BaseLogitCache(model, budget, prefix.start)
         build = lambda packed: build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None,  # noqa: E731
-                                             start=prefix.start, packed=packed)
+                                             start=prefix.start, packed=packed,
+                                             checkpoint=getattr(cfg, "checkpoint_layers", 0))
         self.fn, self.fn_packed = build(False), build(True)
         self.pack = bool(getattr(cfg, "pack", False))
         self.opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)

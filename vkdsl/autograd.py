@@ -136,6 +136,25 @@ def rowwise(fn, x: Tensor, *consts: Tensor):
     return (y,) + aux if isinstance(res, tuple) else y
 
 
+def checkpoint(fn, x: Tensor, params=()):
+    """y = fn(x), keeping none of fn's intermediates for the backward: the backward computes fn
+    again from x (activation checkpointing) and differentiates that copy. params: the trainable
+    tensors fn reads (a layer's adapters), whose gradients come from the recomputation. The copy
+    reads x through an `after` node that waits for y's upstream gradient, so the schedule runs it
+    in the backward pass, just before it is needed, instead of beside the forward."""
+    y = fn(x)
+    wrt = [x] * x.requires_grad + [p for p in params if p.requires_grad]
+    if not wrt:
+        return y
+
+    def rule(g, x, *ps):
+        xr = custom(_After(), [x, g], x.shape, requires_grad=x.requires_grad)
+        grads = iter(grad(fn(xr), [xr] * x.requires_grad + [p for p in ps if p.requires_grad], upstream=g,
+                          local=True))
+        return tuple(next(grads) if s.requires_grad else None for s in (x, *ps))
+    return with_gradient(y, (x, *params), rule)
+
+
 def _sources(t):
     return t.backward[0] if t.backward is not None else t.src
 

@@ -1,0 +1,125 @@
+"""Activation checkpointing (vkdsl.autograd.checkpoint, Llama.forward(checkpoint=K)): the backward
+recomputes a group of layers from its input. The gradients must be those of the graph that keeps
+every activation (itself checked against finite differences in test_grad.py) to 1e-6, the
+checkpointed composition must match finite differences of a float64 reference on its own, and the
+traced step must hold fewer device bytes."""
+import numpy as np
+import pytest
+
+import vkdsl
+from vkdsl.autograd import checkpoint, grad
+from vkdsl.runtime import default_device
+
+from conftest import check_grads, f32
+from fixtures.train_data import batch
+
+
+def _block(x, w, a, b):
+    """A residual block with a frozen weight and a low-rank trainable path: x + tanh(x W) * (x A B)."""
+    return x + (x @ w).tanh() * ((x @ a) @ b)
+
+
+def _block64(x, w, a, b):
+    return x + np.tanh(x @ w) * ((x @ a) @ b)
+
+
+def test_a_checkpointed_block_matches_finite_differences(rng):
+    x, w, a, b = f32(rng, 6, 8), f32(rng, 8, 8, scale=0.4), f32(rng, 8, 3, scale=0.4), f32(rng, 3, 8, scale=0.4)
+    check_grads(lambda x, w, a, b: checkpoint(lambda h: _block(h, w, a, b), x, [a, b]).sum(axis=1),
+                lambda x, w, a, b: _block64(x, w, a, b).sum(1), [x, w, a, b], [0, 2, 3], rng)
+
+
+def _program_bytes(fn, *arrays):
+    dev = default_device()
+    before = dev.allocated_bytes
+    prog = vkdsl.trace(fn).program(*arrays)
+    used = dev.allocated_bytes - before
+    return prog, used
+
+
+def test_a_checkpointed_chain_gives_the_same_gradients_in_fewer_bytes(rng):
+    L, R, C = 6, 256, 64
+    ws = [vkdsl.tensor(f32(rng, C, C, scale=0.2)) for _ in range(L)]
+    ab = [(vkdsl.tensor(f32(rng, C, 4, scale=0.3), requires_grad=True),
+           vkdsl.tensor(f32(rng, 4, C, scale=0.3), requires_grad=True)) for _ in range(L)]
+    params = [t for pair in ab for t in pair]
+    x0 = f32(rng, R, C)
+
+    def step(every):
+        def fn(x):
+            h = x
+            for i in range(L):
+                blk = lambda h, i=i: _block(h, ws[i], *ab[i])        # noqa: E731
+                h = checkpoint(blk, h, list(ab[i])) if every else blk(h)
+            return [(h * h).sum()] + grad((h * h).sum(), params)
+        return fn
+    _, kept = _program_bytes(step(False), x0)
+    _, recomputed = _program_bytes(step(True), x0)
+    plain = vkdsl.trace(step(False))(x0)
+    ckpt = vkdsl.trace(step(True))(x0)
+    assert float(ckpt[0]) == pytest.approx(float(plain[0]), rel=1e-6)
+    for g0, g1 in zip(plain[1:], ckpt[1:]):
+        np.testing.assert_allclose(g1, g0, rtol=1e-6, atol=1e-6 * np.abs(g0).max())
+    assert recomputed < kept, f"checkpointed {recomputed} bytes vs {kept} keeping every activation"
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_the_tiny_models_step_is_unchanged_by_checkpointing(tiny_model, K):
+    """The trainer's traced SFT + TMKL step on the tiny Llama: loss, KL and every adapter gradient
+    with layers recomputed (every layer, or pairs) equal the step that keeps every activation."""
+    from vkdsl.train.step import build_grad_fn, select
+    m, params = tiny_model
+    ids, lab = batch(B=4, T=16, seed=3)
+    pos, sl = select(lab)
+    inv = np.array([1.0 / int((lab != -100).sum())], np.float32)
+    outs = {}
+    for k in (0, K):
+        fn = build_grad_fn(m, params, 0.5, checkpoint=k)
+        outs[k] = [np.asarray(o) for o in fn(ids, pos, sl, inv)]
+    for a, b in zip(outs[0], outs[K]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * max(1e-30, np.abs(a).max()))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from fixtures.synthetic import build_tiny
+    from vkdsl.models import load_model_files
+    from vkdsl.models.llama import Llama
+    from vkdsl.train.config import TrainConfig
+    from vkdsl.train.inject import inject, params_of
+    ck, _ = load_model_files(build_tiny(tmp_path_factory.mktemp("tiny_ckpt"), seed=3).gguf_path)
+    m = Llama(ck)
+    cfg = TrainConfig(targets=["attn_q", "attn_v", "ffn_down"], layers="", rank=4, alpha=8.0)
+    names = inject(m, cfg)
+    params = params_of(m, names)
+    rng = np.random.default_rng(0)
+    for p in params:                         # B away from 0, so every path carries a gradient
+        p.assign(vkdsl.tensor(p.numpy() + rng.normal(0, 0.05, p.shape).astype(np.float32)))
+    return m, params
+
+
+def test_the_tiny_models_dpo_step_is_unchanged_by_checkpointing(tiny_model):
+    from vkdsl.train.dpo import build_dpo_step
+    from vkdsl.train.step import select
+    m, params = tiny_model
+    ids, lab = batch(B=2, T=16, seed=4)
+    ids_r, lab_r = batch(B=2, T=16, seed=5)
+    args = []
+    for i, l in ((ids, lab), (ids_r, lab_r)):
+        pos, sl = select(l)
+        seg = np.zeros((2, len(pos)), np.float32)
+        live = sl != -100
+        seg[pos[live] // 16, np.flatnonzero(live)] = 1.0
+        args += [i, pos, sl, seg]
+    args += [np.array([0.1, -0.2], np.float32), np.array([0.05], np.float32)]
+    outs = {k: [np.asarray(o) for o in build_dpo_step(m, params, 0.1, 1.0, checkpoint=k)(*args)] for k in (0, 1)}
+    for a, b in zip(outs[0], outs[1]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * max(1e-30, np.abs(a).max()))
+
+
+def test_the_setting_is_parsed_and_bad_values_are_refused():
+    from vkdsl.train.config import ConfigError, TrainConfig
+    assert [TrainConfig(checkpoint=c).checkpoint_layers for c in ("none", "layers", "every:3")] == [0, 1, 3]
+    for bad in ("every:0", "every:x", "all", "2"):
+        with pytest.raises(ConfigError, match="checkpoint must be none, layers or every:K"):
+            TrainConfig(checkpoint=bad).validate()
