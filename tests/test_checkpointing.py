@@ -123,3 +123,27 @@ def test_the_setting_is_parsed_and_bad_values_are_refused():
     for bad in ("every:0", "every:x", "all", "2"):
         with pytest.raises(ConfigError, match="checkpoint must be none, layers or every:K"):
             TrainConfig(checkpoint=bad).validate()
+
+
+def test_smollm2s_step_is_unchanged_by_checkpointing():
+    """The real model (SmolLM2-135M, Q4_1 packed base): the SFT + TMKL step with adapters on the
+    top 4 layers, every layer recomputed, equals the step that keeps every activation."""
+    from vkdsl.models import load_model_files
+    from vkdsl.models.default import default_model_path
+    from vkdsl.models.llama import Llama
+    from vkdsl.train.config import TrainConfig
+    from vkdsl.train.inject import inject, params_of
+    from vkdsl.train.step import build_grad_fn, select
+    m = Llama(load_model_files(default_model_path())[0])
+    params = params_of(m, inject(m, TrainConfig(targets=["attn_q", "attn_v", "ffn_down"], layers="last:4")))
+    rng = np.random.default_rng(1)
+    for p in params:
+        p.assign(vkdsl.tensor(p.numpy() + rng.normal(0, 0.02, p.shape).astype(np.float32)))
+    ids = rng.integers(3, 49000, (2, 32)).astype(np.int32)
+    lab = np.where(np.arange(32) >= 20, np.roll(ids, -1, 1), -100).astype(np.int32)
+    pos, sl = select(lab)
+    inv = np.array([1.0 / int((lab != -100).sum())], np.float32)
+    outs = {k: [np.asarray(o) for o in build_grad_fn(m, params, 0.3, checkpoint=k)(ids, pos, sl, inv)]
+            for k in (0, 1)}
+    for a, b in zip(outs[0], outs[1]):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * max(1e-30, np.abs(a).max()))

@@ -131,8 +131,13 @@ def rowwise(fn, x: Tensor, *consts: Tensor):
         raise ShapeError(f"rowwise: fn gave {y.shape}, expected one value per row of x {x.shape}")
     if x.requires_grad:
         J = grad(y.sum(), [x], local=True)[0]
+        # J, y and the report rows wait for one another: whichever a program reads first (the backward
+        # J, or a loss to report), all are computed together and fn's intermediates (a chunk's logits)
+        # die there, not held until a later reader
+        Jw = custom(_After(), [J, y, *aux], J.shape, requires_grad=False)
         y = with_gradient(custom(_After(), [y, J], y.shape), (x,),
-                          lambda g, x: (g.reshape(-1, *(1,) * (x.ndim - 1)) * J,))
+                          lambda g, x: (g.reshape(-1, *(1,) * (x.ndim - 1)) * Jw,))
+        aux = tuple(custom(_After(), [a, J], a.shape, a.dtype, requires_grad=False) for a in aux)
     return (y,) + aux if isinstance(res, tuple) else y
 
 

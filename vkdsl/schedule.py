@@ -19,7 +19,8 @@ def plan(outputs: list, assigns: list[tuple]):
     """Returns (steps, materialized): steps in execution order; materialized = set of ids of
     nodes that own (or alias) a buffer."""
     roots = list(outputs) + [v for _, v in assigns]
-    order = walk(roots)
+    order = walk(roots[::-1])        # last outputs first: a gradient program lists its parameters in
+    #                                  layer order, and the last layer's come ready first
     uses = {}
     for t in order:
         for s in t.src:
