@@ -27,7 +27,9 @@ BENCHES = {
                click.Option(["--by-kernel", "by_kernel"], is_flag=True,
                             help="time per kernel class of one step (each dispatch alone), GFLOP/s, share"),
                click.Option(["--checkpoint"], default="none", show_default=True, metavar="none|layers|every:K",
-                            help="activation checkpointing of the SFT rows (vkdsl-train --checkpoint)")]),
+                            help="activation checkpointing of the SFT rows (vkdsl-train --checkpoint)"),
+               click.Option(["--plan"], is_flag=True,
+                            help="the SFT rows' device bytes, planned from the traced step: nothing runs")]),
     "parallel": ("vkdsl.train.parallel_bench:bench_parallel",
                  "Data-parallel SFT step (run under mpirun -np P): compute vs all-reduce seconds, ring bytes.",
                  [click.Option(["--steps"], default=6, show_default=True, help="steps timed after one warm-up")]),
@@ -44,7 +46,7 @@ def _arguments(name, kw):
     if name == "model":
         return (kw["model_path"],)
     if name == "train":
-        return (kw["objective"], kw["model_path"], kw["by_kernel"], kw["checkpoint"])
+        return (kw["objective"], kw["model_path"], kw["by_kernel"], kw["checkpoint"], kw["plan"])
     if name == "parallel":
         return (kw["steps"],)
     return ()

@@ -197,6 +197,10 @@ MUTANTS = [
            'segs += [(text[pos:at], False), (m["content"], True)]',
            'segs += [(text[pos:at], False), (m["content"], k == len(msgs) - 1)]',
            ("tests/test_chat_templates.py", "-k", "supervised"), "earlier assistant turns of a conversation masked"),
+    Mutant("head_rows_outlive_their_chunk", "vkdsl/autograd.py",
+           "Jw = custom(_After(), [J, y, *aux], J.shape, requires_grad=False)", "Jw = J",
+           ("tests/test_checkpointing.py", "-k", "chunked_head"),
+           "a head chunk's logits held until a later reader of its loss rows"),
 ]
 
 

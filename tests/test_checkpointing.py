@@ -2,7 +2,10 @@
 recomputes a group of layers from its input. The gradients must be those of the graph that keeps
 every activation (itself checked against finite differences in test_grad.py) to 1e-6, the
 checkpointed composition must match finite differences of a float64 reference on its own, and the
-traced step must hold fewer device bytes."""
+traced step must hold fewer device bytes. Traced.plan, the bytes a program will hold decided before
+anything is allocated, must equal what building it allocates."""
+import gc
+
 import numpy as np
 import pytest
 
@@ -31,18 +34,23 @@ def test_a_checkpointed_block_matches_finite_differences(rng):
 
 def _program_bytes(fn, *arrays):
     dev = default_device()
+    gc.collect()                        # earlier programs freed now, not during the measurement
     before = dev.allocated_bytes
     prog = vkdsl.trace(fn).program(*arrays)
     used = dev.allocated_bytes - before
     return prog, used
 
 
-def test_a_checkpointed_chain_gives_the_same_gradients_in_fewer_bytes(rng):
+@pytest.mark.parametrize("order", ["layer order", "reversed"])
+def test_a_checkpointed_chain_gives_the_same_gradients_in_fewer_bytes(rng, order):
+    # whichever order a program lists its gradients in (the schedule walks them last first)
     L, R, C = 6, 256, 64
     ws = [vkdsl.tensor(f32(rng, C, C, scale=0.2)) for _ in range(L)]
     ab = [(vkdsl.tensor(f32(rng, C, 4, scale=0.3), requires_grad=True),
            vkdsl.tensor(f32(rng, 4, C, scale=0.3), requires_grad=True)) for _ in range(L)]
     params = [t for pair in ab for t in pair]
+    if order == "reversed":
+        params = params[::-1]
     x0 = f32(rng, R, C)
 
     def step(every):
@@ -53,8 +61,12 @@ def test_a_checkpointed_chain_gives_the_same_gradients_in_fewer_bytes(rng):
                 h = checkpoint(blk, h, list(ab[i])) if every else blk(h)
             return [(h * h).sum()] + grad((h * h).sum(), params)
         return fn
+    plans = {every: vkdsl.trace(step(every)).plan(x0)["total"] for every in (False, True)}
     _, kept = _program_bytes(step(False), x0)
     _, recomputed = _program_bytes(step(True), x0)
+    # planned before allocating: the bytes building allocates (exact on lavapipe; a driver may round
+    # each allocation up to its alignment)
+    assert kept == pytest.approx(plans[False], rel=0.01) and recomputed == pytest.approx(plans[True], rel=0.01)
     plain = vkdsl.trace(step(False))(x0)
     ckpt = vkdsl.trace(step(True))(x0)
     assert float(ckpt[0]) == pytest.approx(float(plain[0]), rel=1e-6)
@@ -63,19 +75,28 @@ def test_a_checkpointed_chain_gives_the_same_gradients_in_fewer_bytes(rng):
     assert recomputed < kept, f"checkpointed {recomputed} bytes vs {kept} keeping every activation"
 
 
-@pytest.mark.parametrize("K", [1, 2])
-def test_the_tiny_models_step_is_unchanged_by_checkpointing(tiny_model, K):
+@pytest.mark.parametrize("K,packed", [(1, False), (2, False), (1, True)])
+def test_the_tiny_models_step_is_unchanged_by_checkpointing(tiny_model, K, packed):
     """The trainer's traced SFT + TMKL step on the tiny Llama: loss, KL and every adapter gradient
-    with layers recomputed (every layer, or pairs) equal the step that keeps every activation."""
+    with layers recomputed (every layer, or pairs; rows packed two to a sequence) equal the step
+    that keeps every activation."""
     from vkdsl.train.step import build_grad_fn, select
     m, params = tiny_model
     ids, lab = batch(B=4, T=16, seed=3)
     pos, sl = select(lab)
-    inv = np.array([1.0 / int((lab != -100).sum())], np.float32)
+    args = [ids, pos, sl, np.array([1.0 / int((lab != -100).sum())], np.float32)]
+    if packed:                          # two rows of 8 tokens per sequence: positions restart, segments
+        args += [np.tile(np.arange(16) % 8, (4, 1)).astype(np.int32), np.tile(np.arange(16) // 8, (4, 1)).astype(np.int32)]
     outs = {}
     for k in (0, K):
-        fn = build_grad_fn(m, params, 0.5, checkpoint=k)
-        outs[k] = [np.asarray(o) for o in fn(ids, pos, sl, inv)]
+        fn = build_grad_fn(m, params, 0.5, checkpoint=k, packed=packed)
+        planned = fn.plan(*args)["total"]
+        dev = default_device()
+        gc.collect()
+        before = dev.allocated_bytes
+        fn.program(*args)
+        assert dev.allocated_bytes - before == pytest.approx(planned, rel=0.01)
+        outs[k] = [np.asarray(o) for o in fn(*args)]
     for a, b in zip(outs[0], outs[K]):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * max(1e-30, np.abs(a).max()))
 
@@ -147,3 +168,42 @@ def test_smollm2s_step_is_unchanged_by_checkpointing():
             for k in (0, 1)}
     for a, b in zip(outs[0], outs[1]):
         np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6 * max(1e-30, np.abs(a).max()))
+
+
+def test_chunked_head_rows_die_with_their_chunk(rng):
+    """A loss over a wide (R, V) matrix in 8 row chunks (vkdsl.autograd.rowwise, as the LM head
+    runs), the loss reported and differentiated: each chunk's V-wide temporaries must be freed
+    before the next chunk's are made, so the program holds one chunk's working set, not eight."""
+    from vkdsl.autograd import rowwise
+    from vkdsl.ops import losses
+    R, C, V, n = 512, 64, 4096, 64
+    w = vkdsl.tensor(f32(rng, C, V, scale=0.1))
+    labels = rng.integers(0, V, R).astype(np.int32)
+    chunk = n * V * 4                                   # one chunk's logits: 1 MiB
+
+    def step(x, lab):
+        x.requires_grad = True
+        parts = [rowwise(lambda h, l: (lambda ce: (ce, ce))(-losses.token_logprobs(h @ w, l)[0]),
+                         x[s:s + n], lab[s:s + n]) for s in range(0, R, n)]
+        loss = sum(p[0].sum() for p in parts[1:]) + parts[0][0].sum()
+        report = sum(p[1].sum() for p in parts[1:]) + parts[0][1].sum()
+        return [report] + grad(loss, [x])
+    prog, used = _program_bytes(step, f32(rng, R, C), labels)
+    # one chunk's logits, softmax, one-hot and gradient rows are ~4 chunks' worth; all eight chunks'
+    # logits alone would be 8
+    assert used < 6 * chunk, f"{used / chunk:.1f} chunks' worth of V-wide buffers held"
+    out = vkdsl.trace(step)(f32(rng, R, C), labels)
+    assert np.isfinite(float(out[0]))
+
+
+def test_bench_train_plans_the_steps_without_running_them():
+    import json
+    from fixtures.cli import run
+    plans = {}
+    for c in ("none", "layers"):
+        rows = [json.loads(line) for line in run(["bench", "train", "--plan", "--checkpoint", c, "--json"]).stdout
+                .splitlines() if line.startswith("{")]
+        assert [r["case"].split(" (")[0] for r in rows] == ["sft 4x256, adapters on q,v", "sft 4x256, adapters on all seven"]
+        assert all(r["weights_bytes"] > 0 and r["plan_total_bytes"] > r["plan_temporaries_bytes"] > 0 for r in rows)
+        plans[c] = [r["plan_temporaries_bytes"] for r in rows]
+    assert all(b < a / 2 for a, b in zip(plans["none"], plans["layers"])), plans

@@ -34,6 +34,23 @@ def test_resume_matches_uninterrupted(setup, tmp_path):
     assert part.step == 3
 
 
+def test_checkpointed_layers_train_the_same_adapter_through_sft_and_dpo(setup, tmp_path):
+    # --checkpoint layers reaches both objectives' traced steps; the adapter after SFT (TMKL on) and
+    # DPO equals the one trained keeping every activation, to float rounding
+    from vkdsl.train.stages import dpo_stage
+    prefs = tiny_prefs(tmp_path / "prefs.jsonl")
+    out = {}
+    for c in ("none", "layers"):
+        cfg = tiny_cfg(setup, steps=3, tmkl=0.1, objective="sft+dpo", dpo_train_file=prefs, dpo_heldout_file="",
+                       dpo_steps=2, dpo_batch=2, dpo_lr=5e-3, checkpoint=c)
+        r = run(cfg, tmp_path / c, evidence_at_end=False)
+        dpo_stage(r)
+        out[c] = adapter(r)
+    for a, b in zip(out["none"], out["layers"]):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(out["none"][1], np.zeros_like(out["none"][1]))
+
+
 def test_a_kill_during_dpo_resumes_from_its_own_last_step_bit_identically(setup, tmp_path):
     from vkdsl.train import loop
     from vkdsl.train.stages import dpo_stage

@@ -88,7 +88,7 @@ def time_stepper(model, stepper, params, micro, reps=2):
     return t, recs
 
 
-def bench_sft(model, w, B=4, T=256, checkpoint="none"):
+def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False):
     T = min(T, model.cfg.context_length)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
@@ -100,20 +100,31 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none"):
         st, params = sft_stepper(model, mods, checkpoint=checkpoint)
         case = f"sft {B}x{T}, adapters on {name} (trainer step" + ("" if checkpoint == "none" else
                                                                     f", checkpoint {checkpoint}") + ")"
+        args = (ids.astype(np.int32), *_select_args(labels))
+        planned = st.fn.plan(*args)         # traced and scheduled, nothing allocated
+        if plan_only:
+            rows.append({"case": case, "weights_bytes": model.device_bytes()["device_bytes"],
+                         **{f"plan_{k}_bytes": v for k, v in planned.items()}})
+            _free(model, st.fn, st.fn_packed)
+            continue
         try:
             t, recs = time_stepper(model, st, params, [(ids, labels)])
         except DeviceMemoryError as e:             # said as a row: the other cases still run
             rows.append({"case": case, "error": f"does not fit: {e}"})
             _free(model, st.fn, st.fn_packed)
             continue
-        prog = st.fn.program(ids.astype(np.int32), *_select_args(labels))
+        prog = st.fn.program(*args)
         prog_bytes = sum(b.nbytes for b in {id(b): b for b in prog.bufs.values()}.values())
+        plan_bytes = planned["total"] - planned["staging"]
         rows.append({"case": case, "trainable": sum(p.size for p in params), "step_s": t, "tokens_per_s": B * T / t,
                      "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"], "program_bytes": prog_bytes,
+                     "plan_bytes": plan_bytes, "plan_vs_program": plan_bytes / prog_bytes,
                      "device_peak_bytes": dev.peak_bytes})
         prog.release()
         del prog
         _free(model, st.fn, st.fn_packed)
+    if plan_only:
+        return rows
     t0 = time.perf_counter()
     for b in range(B):
         numpy_forward(w, model.cfg, ids[b])
@@ -204,13 +215,17 @@ def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
              "reference": "precomputed once (adapter off), cached"}]
 
 
-def bench_train(objective="sft", path=None, checkpoint="none"):
+def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False):
+    """The rows of `vkdsl bench train`; plan_only: each SFT case's planned device bytes (weights, the
+    step program's inputs, outputs, temporaries after reuse, staging), nothing run or allocated."""
     ck, tok = load_model_files(path or default_model_path())
     model = Llama(ck)
     if objective == "dpo":
         return bench_dpo(model)
-    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
     TrainConfig(checkpoint=checkpoint).validate()          # a bad value is one line before any work
+    if plan_only:
+        return bench_sft(model, None, checkpoint=checkpoint, plan_only=True)
+    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
     rows = bench_sft(model, w, checkpoint=checkpoint)
     if path or checkpoint != "none":    # the default job: its own model and settings
         return rows

@@ -113,6 +113,35 @@ def _record_matmul(rec, node, out, abuf, bbuf):
 GUARD_WORD = np.uint32(0x7FC0DEAD)    # a NaN pattern no kernel writes by accident
 
 
+def buffer_slots(steps, outputs) -> tuple[dict, list]:
+    """The buffers a program's steps get, decided without allocating any: (slot of each computed
+    node's id, [(bytes, 'output' | 'temp')] per slot). Outputs (and what they alias through
+    reshapes) keep slots of their own; a temporary's slot returns to a pool of its byte size once
+    its last reader has run, and the next node of that size takes it. Program allocates exactly
+    these; Traced.plan sums them."""
+    out_ids = {id(o) for o in outputs} | {id(reshape_base(o)) for o in outputs}
+    last_use = {}
+    for i, s in enumerate(steps):
+        for x in s.inputs:
+            last_use[id(reshape_base(x))] = i
+    slot_of, slots, free = {}, [], {}
+    for i, s in enumerate(steps):
+        if s.kind == "assign":
+            continue
+        nb = _nbytes(s.node)
+        pool = free.get(nb) if id(s.node) not in out_ids else None
+        if pool:
+            slot_of[id(s.node)] = pool.pop()
+        else:
+            slots.append((nb, "output" if id(s.node) in out_ids else "temp"))
+            slot_of[id(s.node)] = len(slots) - 1
+        for x in s.inputs:              # release the slots whose last reader is this step
+            key = id(reshape_base(x))
+            if last_use.get(key) == i and key in slot_of and slots[slot_of[key]][1] == "temp":
+                free.setdefault(slots[slot_of[key]][0], []).append(slot_of[key])
+    return slot_of, slots
+
+
 class Program:
     """outputs: tensors to read back; inputs: placeholder tensors (op 'input') filled per run.
     guard_bytes > 0 gives each output buffer that many bytes of sentinel words past its end, and
@@ -132,31 +161,17 @@ class Program:
         for t in self.inputs:
             self._own(t, Buffer(dev, _nbytes(t), label=f"input{t.arg}"))
             self.in_stage.append(None if unified else Buffer(dev, _nbytes(t), host=True, label="stage-in"))
-        # Outputs, and the nodes that outputs alias through reshapes, keep dedicated buffers.
-        out_ids = {id(o) for o in self.outputs} | {id(reshape_base(o)) for o in self.outputs}
-        last_use = {}
-        for i, s in enumerate(steps):
-            for x in s.inputs:
-                last_use[id(reshape_base(x))] = i
-        free: dict[int, list[Buffer]] = {}
-        for i, s in enumerate(steps):
-            if s.kind == "assign":
-                continue
-            t = s.node
-            nb = _nbytes(t)
-            if id(t) in out_ids:
-                buf = Buffer(dev, nb + self.guard_bytes, label="output")
-                if self.guard_bytes:
-                    buf.write(np.full(self.guard_bytes // 4, GUARD_WORD), offset=nb)
-            else:
-                pool = free.get(nb)
-                buf = pool.pop() if pool else Buffer(dev, nb, label="temp")
-            self._own(t, buf)
-            for x in s.inputs:          # release buffers whose last reader is this step
-                key = id(reshape_base(x))
-                if last_use.get(key) == i and key not in out_ids and key in self.bufs and \
-                        self._is_temp(key):
-                    free.setdefault(self.bufs[key].nbytes, []).append(self.bufs[key])
+        # Computed nodes: one buffer per slot of buffer_slots (outputs their own, temporaries reused).
+        slot_of, slots = buffer_slots(steps, self.outputs)
+        made = []
+        for nb, kind in slots:
+            buf = Buffer(dev, nb + (self.guard_bytes if kind == "output" else 0), label=kind)
+            if kind == "output" and self.guard_bytes:
+                buf.write(np.full(self.guard_bytes // 4, GUARD_WORD), offset=nb)
+            made.append(buf)
+        for s in steps:
+            if s.kind != "assign":
+                self._own(s.node, made[slot_of[id(s.node)]])
         self.out_stage = [None if unified else Buffer(dev, max(_nbytes(o), 4), host=True, label="stage-out")
                           for o in self.outputs]
         self._record()
@@ -164,9 +179,6 @@ class Program:
     def _own(self, t, buf):
         self.bufs[id(t)] = buf
         self._keep.append(t)
-
-    def _is_temp(self, key):
-        return self.bufs[key].label == "temp"
 
     def buffer_of(self, t) -> Buffer:
         while True:

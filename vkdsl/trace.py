@@ -11,7 +11,9 @@ import numpy as np
 
 from . import precision
 from .graph import DTYPES
-from .realize import Program, capturing
+from .realize import Program, buffer_slots, capturing
+from .runtime import default_device
+from .schedule import plan as schedule
 from .tensor import Tensor
 
 
@@ -62,6 +64,27 @@ class Traced:
             BUILT["programs"] += 1
             BUILT["seconds"] += time.perf_counter() - t0
         return self.programs[key], arrays
+
+    def plan(self, *arrays) -> dict:
+        """Device bytes the program for these inputs would hold, decided without building it (the
+        function is traced and scheduled; nothing is compiled or allocated): inputs, outputs,
+        temporaries after reuse (realize.buffer_slots, what Program allocates), the staging twins
+        of a device without unified memory, and their total (a driver may round each allocation up
+        to its alignment)."""
+        arrays = [_as_input(a, i) for i, a in enumerate(arrays)]
+        holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype]) for i, a in enumerate(arrays)]
+        with capturing() as cap:
+            outs, _ = _flatten(self.fn(*holders))
+        steps, _ = schedule(outs, cap.assigns)
+        _, slots = buffer_slots(steps, outs)
+        size = lambda n: max(n, 16)                 # noqa: E731  (runtime.Buffer's smallest buffer)
+        out = {"inputs": sum(size(a.nbytes) for a in arrays),
+               "outputs": sum(size(n) for n, k in slots if k == "output"),
+               "temporaries": sum(size(n) for n, k in slots if k == "temp")}
+        unified = (self.device or default_device()).unified_memory
+        out["staging"] = 0 if unified else out["inputs"] + out["outputs"]
+        out["total"] = sum(out.values())
+        return out
 
     def __call__(self, *arrays):
         (prog, rebuild, _), arrays = self.compile(*arrays)
