@@ -218,11 +218,11 @@ def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
 def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False):
     """The rows of `vkdsl bench train`; plan_only: each SFT case's planned device bytes (weights, the
     step program's inputs, outputs, temporaries after reuse, staging), nothing run or allocated."""
+    TrainConfig(checkpoint=checkpoint).validate()          # a bad value is one line before any work
     ck, tok = load_model_files(path or default_model_path())
     model = Llama(ck)
     if objective == "dpo":
         return bench_dpo(model)
-    TrainConfig(checkpoint=checkpoint).validate()          # a bad value is one line before any work
     if plan_only:
         return bench_sft(model, None, checkpoint=checkpoint, plan_only=True)
     w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
