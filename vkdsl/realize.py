@@ -119,11 +119,19 @@ def buffer_slots(steps, outputs) -> tuple[dict, list]:
     reshapes) keep slots of their own; a temporary's slot returns to a pool of its byte size once
     its last reader has run, and the next node of that size takes it. Program allocates exactly
     these; Traced.plan sums them."""
-    out_ids = {id(o) for o in outputs} | {id(reshape_base(o)) for o in outputs}
+    computed = {id(s.node) for s in steps if s.kind != "assign"}
+
+    def owner(x):
+        """The node whose slot x reads: x, or what it reshapes, down to a computed node (a reshape
+        of a view is computed into a slot of its own)."""
+        while x.op == "reshape" and id(x) not in computed:
+            x = x.src[0]
+        return id(x)
+    out_ids = {id(o) for o in outputs} | {id(reshape_base(o)) for o in outputs} | {owner(o) for o in outputs}
     last_use = {}
     for i, s in enumerate(steps):
         for x in s.inputs:
-            last_use[id(reshape_base(x))] = i
+            last_use[owner(x)] = i
     slot_of, slots, free = {}, [], {}
     for i, s in enumerate(steps):
         if s.kind == "assign":
@@ -136,7 +144,7 @@ def buffer_slots(steps, outputs) -> tuple[dict, list]:
             slots.append((nb, "output" if id(s.node) in out_ids else "temp"))
             slot_of[id(s.node)] = len(slots) - 1
         for x in s.inputs:              # release the slots whose last reader is this step
-            key = id(reshape_base(x))
+            key = owner(x)
             if last_use.get(key) == i and key in slot_of and slots[slot_of[key]][1] == "temp":
                 free.setdefault(slots[slot_of[key]][0], []).append(slot_of[key])
     return slot_of, slots
