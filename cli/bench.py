@@ -29,7 +29,11 @@ BENCHES = {
                click.Option(["--checkpoint"], default="none", show_default=True, metavar="none|layers|every:K",
                             help="activation checkpointing of the SFT rows (vkdsl-train --checkpoint)"),
                click.Option(["--plan"], is_flag=True,
-                            help="the SFT rows' device bytes, planned from the traced step: nothing runs")]),
+                            help="the SFT rows' device bytes, planned from the traced step: nothing runs"),
+               click.Option(["--shape"], default="4x256", show_default=True, metavar="ROWSxTOKENS",
+                            help="the SFT rows' batch (e.g. 1x4096)"),
+               click.Option(["--targets"], default="qv,all", show_default=True,
+                            help="which SFT rows: adapters on q,v (qv), on all seven projections (all)")]),
     "parallel": ("vkdsl.train.parallel_bench:bench_parallel",
                  "Data-parallel SFT step (run under mpirun -np P): compute vs all-reduce seconds, ring bytes.",
                  [click.Option(["--steps"], default=6, show_default=True, help="steps timed after one warm-up")]),
@@ -46,7 +50,8 @@ def _arguments(name, kw):
     if name == "model":
         return (kw["model_path"],)
     if name == "train":
-        return (kw["objective"], kw["model_path"], kw["by_kernel"], kw["checkpoint"], kw["plan"])
+        return (kw["objective"], kw["model_path"], kw["by_kernel"], kw["checkpoint"], kw["plan"], kw["shape"],
+                kw["targets"])
     if name == "parallel":
         return (kw["steps"],)
     return ()

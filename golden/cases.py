@@ -290,7 +290,9 @@ def layer_cases():
     for shape in [(7, 33), (1, 1536)]:
         out.append(Case(f"swiglu[{shp(shape)}]", "swiglu", {},
                         lambda r, s=shape: [N(r, s, 3.0), N(r, s)], shape))
-    for t, hq, hkv, d in [(1, 2, 1, 8), (7, 6, 2, 16), (5, 2, 2, 8), (17, 9, 3, 64), (70, 4, 2, 16), (130, 6, 2, 32)]:
+    # long windows: the kernels of the short rows' head shapes, at 2048 and 4096 tokens
+    for t, hq, hkv, d in [(1, 2, 1, 8), (7, 6, 2, 16), (5, 2, 2, 8), (17, 9, 3, 64), (70, 4, 2, 16), (130, 6, 2, 32),
+                          (2048, 2, 1, 16), (4096, 2, 1, 8)]:
         out.append(Case(f"attention[{t}x{hq}x{d},kv={hkv}]", "attention", {},
                         lambda r, t=t, hq=hq, hkv=hkv, d=d: [N(r, (t, hq, d)), N(r, (t, hkv, d)),
                                                              N(r, (t, hkv, d))], (t, hq, d)))

@@ -135,7 +135,7 @@ class Llama:
         los = [self.lora.get(f"blk.{i}.{m}") for i in layers for m in LINEARS] if adapters_on else []
         return [t for lo in los if lo is not None for t in (lo.A, lo.B)]
 
-    def _layer(self, i, x, adapters_on, cos, sin, kv, mask):
+    def _layer(self, i, x, adapters_on, cos, sin, kv, mask, spans=None):
         """One transformer block: x (B, T, dim) -> x after attention and the SwiGLU MLP."""
         c = self.cfg
         B, T = x.shape[:2]
@@ -153,7 +153,7 @@ class Llama:
             k, v, causal = kv.layer(i, k, v)       # a KV cache may substitute its keys/values
             a = attention.attention(q, k, v, mask=mask, causal=causal)
         else:
-            a = attention.attention(q, k, v, mask=mask)
+            a = attention.attention(q, k, v, mask=mask, spans=spans)
         x = x + self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on).reshape(B, T, c.dim)
         h = nn.rmsnorm(x, self.norm[p + "ffn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
         f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
@@ -161,13 +161,14 @@ class Llama:
 
     def forward(self, ids: Tensor, adapters_on: bool = True, cos=None, sin=None, kv=None, mask=None,
                 hidden_only=False, start: int = 0, stop: int | None = None, positions=None,
-                segments=None, checkpoint: int = 0) -> Tensor:
+                spans=None, checkpoint: int = 0) -> Tensor:
         """ids: (B, T) int32 -> logits (B, T, vocab).
         kv: optional KV cache (models.generate.KVCache) for generation.
         start > 0: `ids` is instead the residual stream (B, T, dim) entering layer `start`.
         stop: return the residual stream entering layer `stop` (no final norm, no head).
-        positions, segments: (B, T) int32 for packed rows (train.packing): each token's position
-        within its row, and a row id; a token attends only to earlier tokens of its own row.
+        positions (B, T), spans (B, T, 2) int32 for packed rows (train.packing): each token's
+        position within its row and its row's [start, end); a token attends only to earlier tokens
+        of its own row (ops.attention: the fused kernels never visit another row's keys).
         checkpoint K > 0: the backward recomputes each group of K layers from its input instead of
         keeping their activations (vkdsl.autograd.checkpoint); 0 keeps every activation."""
         c = self.cfg
@@ -180,9 +181,6 @@ class Llama:
             cos, sin = (t.gather(flat).reshape(B, T, D // 2) for t in (self._cos, self._sin))
         elif cos is None:
             cos, sin = self._cos[:T], self._sin[:T]
-        if segments is not None:
-            same = segments.reshape(B, T, 1).eq(segments.reshape(B, 1, T))
-            mask = same.where(0.0, -math.inf)            # (B, T, T): block-diagonal rows
         x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
         end = c.n_layers if stop is None else stop
         K = checkpoint if kv is None else 0            # generation keeps nothing for a backward
@@ -191,7 +189,7 @@ class Llama:
 
             def blocks(x, group=group):
                 for i in group:
-                    x = self._layer(i, x, adapters_on, cos, sin, kv, mask)
+                    x = self._layer(i, x, adapters_on, cos, sin, kv, mask, spans)
                 return x
             x = checkpoint_fn(blocks, x, self._adapter_tensors(group, adapters_on)) if K else blocks(x)
         if stop is not None:

@@ -23,12 +23,27 @@ from .nn import causal_mask, softmax
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True,
-              fused: bool = True) -> Tensor:
+              fused: bool = True, spans: Tensor | None = None) -> Tensor:
     """Grouped-query attention (see attention_composed for the contract). fused: the streaming
-    kernels, forward and backward, where they apply; else the composite."""
+    kernels, forward and backward, where they apply; else the composite. spans: (B, T, 2) int32,
+    each token's row [start, end) in packed sequences (train.packing), causal self-attention only:
+    a query sees the earlier keys of its own row (the fused kernels skip every other key)."""
+    if spans is not None and (not causal or mask is not None or spans.shape != q.shape[:2] + (2,)):
+        raise ShapeError(f"attention: spans {spans.shape} need causal self-attention without a mask "
+                         f"and shape {q.shape[:2] + (2,)}")
     if fused and fused_applies(q, k, v, causal):
-        return fused_attention(q, k, v, mask, causal)
+        return fused_attention(q, k, v, mask, causal, spans)
+    if spans is not None:
+        mask = spans_mask(spans)
     return attention_composed(q, k, v, mask, causal)
+
+
+def spans_mask(spans: Tensor) -> Tensor:
+    """(B, T, T) additive: 0 where key j >= the query's row start, else -inf (the causal mask adds
+    the rest: rows are contiguous, so start <= j <= i is the row's own earlier tokens)."""
+    B, T = spans.shape[:2]
+    start = spans[:, :, 0].reshape(B, T, 1)
+    return (Tensor.arange(T).reshape(1, 1, T) < start).where(-math.inf, 0.0)
 
 
 def fused_applies(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
@@ -77,6 +92,7 @@ PUSH_SIZE = struct.calcsize(PUSH)
 
 class FusedAttention(CustomOp):
     def __init__(self, B, Tq, Tk, Hq, Hkv, D, causal, has_mask):
+        """has_mask: 0 none, 1 an additive (B, Tq, Tk) mask, 2 packed rows' spans (B, T, 2)."""
         self.dims, self.causal, self.has_mask = (B, Tq, Tk, Hq, Hkv, D), causal, has_mask
         self.name = f"attention_d{D}_g{Hq // Hkv}"
 
@@ -142,12 +158,17 @@ class AttentionBackward(CustomOp):
         return pairs * 2 * D * (1, 3, 4)[self.pass_]
 
 
-def fused_attention(q, k, v, mask, causal):
+def fused_attention(q, k, v, mask, causal, spans=None):
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
-    srcs = [q, k, v] + ([mask.expand((B, Tq, Tk)) if mask.ndim == 3 else mask.reshape(1, Tq, Tk).expand((B, Tq, Tk))]
-                        if mask is not None else [])
-    op = FusedAttention(B, Tq, Tk, Hq, Hkv, D, causal, mask is not None)
+    if spans is not None:
+        srcs, kind = [q, k, v, spans], 2
+    elif mask is not None:
+        srcs, kind = [q, k, v, mask.expand((B, Tq, Tk)) if mask.ndim == 3 else
+                      mask.reshape(1, Tq, Tk).expand((B, Tq, Tk))], 1
+    else:
+        srcs, kind = [q, k, v], 0
+    op = FusedAttention(B, Tq, Tk, Hq, Hkv, D, causal, kind)
     return custom(op, srcs, q.shape)
 
 

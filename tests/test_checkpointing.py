@@ -85,8 +85,10 @@ def test_the_tiny_models_step_is_unchanged_by_checkpointing(tiny_model, K, packe
     ids, lab = batch(B=4, T=16, seed=3)
     pos, sl = select(lab)
     args = [ids, pos, sl, np.array([1.0 / int((lab != -100).sum())], np.float32)]
-    if packed:                          # two rows of 8 tokens per sequence: positions restart, segments
-        args += [np.tile(np.arange(16) % 8, (4, 1)).astype(np.int32), np.tile(np.arange(16) // 8, (4, 1)).astype(np.int32)]
+    if packed:                          # two rows of 8 tokens per sequence: positions restart, row spans
+        start = np.arange(16) // 8 * 8
+        spans = np.stack([start, start + 8], -1)
+        args += [np.tile(np.arange(16) % 8, (4, 1)).astype(np.int32), np.tile(spans, (4, 1, 1)).astype(np.int32)]
     outs = {}
     for k in (0, K):
         fn = build_grad_fn(m, params, 0.5, checkpoint=k, packed=packed)

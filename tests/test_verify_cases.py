@@ -26,3 +26,13 @@ def test_golden_case(dev, registry, case):
 
 def test_every_registered_op_has_cases(registry):
     assert set(registry) <= {c["op"] for c in CASES}
+
+
+def test_a_run_verifies_the_long_attention_rows_only_when_its_sequences_are_long():
+    from vkdsl.cli.train import verify_cases
+
+    def lengths(tokens):
+        return sorted(a[c["inputs"][0]].shape[0] for c, a in verify_cases("fp32", tokens) if c["op"] == "attention")
+    short, long_ = lengths(96), lengths(4096)
+    assert max(short) <= 512 and long_ == sorted(short + [2048, 4096])
+    assert lengths(2048) == sorted(short + [2048])

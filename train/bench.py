@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import numpy as np
 
 from vkdsl.models import load_model_files
@@ -88,13 +89,16 @@ def time_stepper(model, stepper, params, micro, reps=2):
     return t, recs
 
 
-def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False):
+TARGETS = {"q,v": ("attn_q", "attn_v"), "all seven": ALL}
+
+
+def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=tuple(TARGETS)):
     T = min(T, model.cfg.context_length)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
     labels = np.roll(ids, -1, axis=1)
     rows = []
-    for name, mods in (("q,v", ("attn_q", "attn_v")), ("all seven", ALL)):
+    for name, mods in ((n, TARGETS[n]) for n in targets):
         dev = default_device()
         dev.peak_bytes = dev.allocated_bytes            # each case reports its own peak
         st, params = sft_stepper(model, mods, checkpoint=checkpoint)
@@ -123,7 +127,7 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False):
         prog.release()
         del prog
         _free(model, st.fn, st.fn_packed)
-    if plan_only:
+    if plan_only or w is None:          # long rows: the numpy forward's (T, T) scores would dominate
         return rows
     t0 = time.perf_counter()
     for b in range(B):
@@ -215,20 +219,38 @@ def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
              "reference": "precomputed once (adapter off), cached"}]
 
 
-def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False):
+def parse_shape(shape: str) -> tuple[int, int]:
+    """'BxT' -> (B, T), both positive, or one line naming what was expected."""
+    b, sep, t = shape.lower().partition("x")
+    if not (sep and b.isdigit() and t.isdigit() and int(b) > 0 and int(t) > 0):
+        raise click.BadParameter(f"--shape {shape!r}: expected ROWSxTOKENS, e.g. 4x256 or 1x4096")
+    return int(b), int(t)
+
+
+def parse_targets(targets: str) -> tuple[str, ...]:
+    names = {"qv": "q,v", "all": "all seven"}
+    picked = tuple(names.get(t.strip()) for t in targets.split(","))
+    if None in picked:
+        raise click.BadParameter(f"--targets {targets!r}: expected qv, all or qv,all")
+    return picked
+
+
+def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False, shape="4x256",
+                targets="qv,all"):
     """The rows of `vkdsl bench train`; plan_only: each SFT case's planned device bytes (weights, the
     step program's inputs, outputs, temporaries after reuse, staging), nothing run or allocated."""
     TrainConfig(checkpoint=checkpoint).validate()          # a bad value is one line before any work
+    (B, T), picked = parse_shape(shape), parse_targets(targets)
     ck, tok = load_model_files(path or default_model_path())
     model = Llama(ck)
     if objective == "dpo":
         return bench_dpo(model)
     if plan_only:
-        return bench_sft(model, None, checkpoint=checkpoint, plan_only=True)
-    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
-    rows = bench_sft(model, w, checkpoint=checkpoint)
-    if path or checkpoint != "none":    # the default job: its own model and settings
-        return rows
+        return bench_sft(model, None, B, T, checkpoint, plan_only=True, targets=picked)
+    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()} if T <= 512 else None
+    rows = bench_sft(model, w, B, T, checkpoint, targets=picked)
+    if path or checkpoint != "none" or (B, T) != (4, 256) or picked != tuple(TARGETS):
+        return rows                     # the default job: its own model, settings and shapes
     del model
     gc.collect()
     return rows + bench_default_job()

@@ -33,6 +33,7 @@ class TrainConfig:
     truncation_side: str = "left"                    # left: drop the prompt's start; right: the completion's end
     bucket: int = 16                                 # pad lengths to multiples: few compiled programs
     pack: bool = True                                # short rows share a sequence (train.packing)
+    window: int = 0                                  # >0: rows packed first-fit into windows of this many tokens
     loss_on: str = "completion"                      # completion (prompt masked) or all (negative control)
     rehearsal_file: str = ""                         # general text mixed into SFT (its own loss term)
     rehearsal_weight: float = 0.0                    # w: objective = task mean + w * general-text mean
@@ -55,7 +56,7 @@ class TrainConfig:
     warmup: int = 2
     min_lr_ratio: float = 0.1
     steps: int = 16
-    batch_size: int = 4                              # rows per micro-batch
+    batch_size: int = 4                              # rows (with window: windows) per micro-batch
     grad_accum: int = 1                              # micro-batches per optimizer step
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
@@ -110,6 +111,9 @@ class TrainConfig:
             (self.truncation_side in ("left", "right"), "truncation_side must be 'left' or 'right'"),
             (self.loss_on in ("completion", "all"), "loss_on must be completion or all"),
             (self.bucket >= 1, "bucket must be >= 1"),
+            (self.window == 0 or self.window >= self.max_len,
+             f"window ({self.window}) must be 0 or at least max_len ({self.max_len}): every row must fit one"),
+            (self.window == 0 or self.pack, "window needs pack = true (rows share windows)"),
             (self.rank >= 1, "rank must be >= 1"),
             (self.alpha > 0, "alpha must be > 0"),
             (self.tmkl >= 0, "tmkl (lambda) must be >= 0"),
@@ -197,6 +201,9 @@ HELP = {
     "bucket": "pad lengths to multiples of this (few compiled programs)",
     "pack": "SFT: several short rows share one sequence (block-diagonal attention, positions restart per "
             "row) instead of padding",
+    "window": "SFT on long data: each epoch's rows packed first-fit (longest first) into windows of this many "
+              "tokens, batch_size windows per micro-batch; 0: each micro-batch's rows share sequences of its "
+              "longest row",
     "rehearsal_file": "general text (plain lines or JSONL {text}) mixed into SFT as its own loss term; keep it "
                       "disjoint from preservation_file, which measures",
     "rehearsal_weight": "w: SFT objective = task mean + w * mean next-token loss on the rehearsal text",
@@ -220,7 +227,7 @@ HELP = {
     "warmup": "linear warm-up steps",
     "min_lr_ratio": "cosine decay floor as a fraction of lr",
     "steps": "optimizer steps of SFT",
-    "batch_size": "rows per micro-batch",
+    "batch_size": "rows per micro-batch (with window: windows)",
     "grad_accum": "micro-batches per optimizer step",
     "betas": "AdamW beta1,beta2",
     "eps": "AdamW epsilon",

@@ -267,7 +267,7 @@ class Sampler:
             order[s:s + w] = sorted(order[s:s + w], key=lambda i: len(self.ex[i].ids))
         self.queue += order
 
-    def next(self) -> list[int]:
+    def next(self) -> list:
         while len(self.queue) < self.n:
             self._refill()
         out, self.queue = self.queue[:self.n], self.queue[self.n:]
@@ -279,3 +279,36 @@ class Sampler:
     def set_state(self, st):
         self.rng.bit_generator.state = st["rng"]
         self.queue = list(st["queue"])
+
+
+class WindowSampler(Sampler):
+    """Long data: each epoch the rows are shuffled (seeded), packed first-fit decreasing into
+    windows of `window` tokens, and the windows shuffled; next() -> the next n windows, each a list
+    of row indices. train.packing then places a micro-batch's rows, window by window, into at most
+    as many sequences as it has windows (first-fit never puts a row past its own window)."""
+
+    def __init__(self, examples, windows_per_step, seed, window):
+        super().__init__(examples, windows_per_step, seed)
+        self.window = window
+
+    def _refill(self):
+        order = self.rng.permutation(len(self.ex)).tolist()
+        order.sort(key=lambda i: -len(self.ex[i].ids))          # stable: ties keep the shuffle
+        free, bins = [], []
+        for i in order:
+            n = len(self.ex[i].ids)
+            b = next((j for j, f in enumerate(free) if f >= n), None)
+            if b is None:
+                b = len(bins)
+                free.append(self.window)
+                bins.append([])
+            free[b] -= n
+            bins[b].append(i)
+        self.queue += [bins[j] for j in self.rng.permutation(len(bins)).tolist()]
+
+    def utilization(self) -> float:
+        """Real tokens / window tokens of one epoch's packing (what the seed run calls utilization)."""
+        lens = [len(e.ids) for e in self.ex]
+        probe = WindowSampler(self.ex, 1, 0, self.window)
+        probe._refill()
+        return sum(lens) / (len(probe.queue) * self.window)

@@ -1,10 +1,11 @@
 """Row packing: several short rows share one sequence instead of each padding to the longest.
 
-Rows are placed first-fit, in batch order, into sequences of the micro-batch's own length T (the
-bucketed longest row), so packing never lengthens a sequence; it only removes padded sequences.
+Rows are placed first-fit, in batch order, into sequences of T tokens: the micro-batch's own length
+(the bucketed longest row), so packing never lengthens a sequence and only removes padded ones; or,
+for long data, a fixed window (TrainConfig.window: data.WindowSampler fills the windows first).
 Inside a sequence each row restarts its positions at 0 and sees only its own tokens (block-
 diagonal causal attention), so every row's logits are what it would get alone: the model needs
-the per-token positions and segment ids (models.llama.Llama.forward, `positions=`, `segments=`).
+the per-token positions and row spans (models.llama.Llama.forward, `positions=`, `spans=`).
 
 A Packing maps arrays in the padded layout (B, T, ...) to the packed one (P, T, ...) and the
 supervised positions' order between the two (for logits computed or cached row by row)."""
@@ -57,12 +58,16 @@ class Packing:
             pos[s, o:o + n] = np.arange(n)
         return pos
 
-    def segments(self) -> np.ndarray:
-        """(P, T) int32: 1 + the row index a token belongs to; 0 on padding."""
-        seg = np.zeros((self.n_seq, self.T), np.int32)
-        for b, ((s, o), n) in enumerate(zip(self.place, self.lengths)):
-            seg[s, o:o + n] = b + 1
-        return seg
+    def spans(self) -> np.ndarray:
+        """(P, T, 2) int32: each token's row [start, end) within its sequence; a padding token is a
+        row of its own, [t, t + 1). Rows are contiguous from offset 0 and padding follows them, so
+        starts and ends never decrease along T (what ops.attention's fused kernels rely on)."""
+        t = np.arange(self.T, dtype=np.int32)
+        span = np.stack(np.broadcast_arrays(t, t + 1), -1)
+        span = np.repeat(span[None], self.n_seq, 0)
+        for (s, o), n in zip(self.place, self.lengths):
+            span[s, o:o + n] = (o, o + n)
+        return span
 
     def supervised_order(self, labels: np.ndarray) -> np.ndarray:
         """For the packed layout's supervised positions in flat order, the index of the same token

@@ -41,10 +41,10 @@ def select(labels: np.ndarray, bucket: int = 16):
 def selected_hidden(model, ids, pos, adapters_on, start=0, packing=(), checkpoint=0):
     """The final hidden states (S, dim) at the flat positions pos. ids: (B, T) token ids, or with
     start > 0 the residual stream entering layer `start` (train.prefix.FrozenPrefix).
-    packing: () or (positions, segments) of packed rows (train.packing). checkpoint: layers per
+    packing: () or (positions, spans) of packed rows (train.packing). checkpoint: layers per
     recomputed group in the backward (Llama.forward; 0: every activation kept)."""
     B, T = ids.shape[:2]
-    pk = dict(zip(("positions", "segments"), packing))
+    pk = dict(zip(("positions", "spans"), packing))
     h = model.forward(ids, adapters_on=adapters_on, hidden_only=True, start=start, checkpoint=checkpoint,
                       **pk)                                                                 # (B, T, dim)
     return h.reshape(B * T, model.cfg.dim).gather(pos)
@@ -83,10 +83,10 @@ def _cat(parts):
 
 def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0, packed: bool = False,
                   checkpoint: int = 0):
-    """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, positions, segments (B,T)] [, base
+    """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, positions (B,T), spans (B,T,2)] [, base
     logits (S,V) as split_rows' chunks]) -> (ce_sum, kl_sum, *grads). base_input: the base model's
     logits come in (cached) instead of a base forward. start > 0: ids is the frozen prefix's output
-    (train.prefix). packed: rows share sequences (train.packing): their positions and segment ids
+    (train.prefix). packed: rows share sequences (train.packing): their positions and row spans
     come in too. checkpoint: layers per recomputed group (0: keep every activation)."""
     def rows(lg, labels, *base):
         ce = -losses.token_logprobs(lg, labels)[0]
@@ -222,11 +222,13 @@ class Stepper:
                                              checkpoint=getattr(cfg, "checkpoint_layers", 0))
         self.fn, self.fn_packed = build(False), build(True)
         self.pack = bool(getattr(cfg, "pack", False))
+        self.window = getattr(cfg, "window", 0)        # sequences of this length (0: the micro-batch's own)
         self.opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
 
     def grads(self, micro, n_total):
         """micro: list of (ids, labels[, lengths]) numpy; n_total supervised tokens over all of them.
-        With lengths (real tokens per row) and cfg.pack, rows are packed (train.packing).
+        With lengths (real tokens per row) and cfg.pack, rows are packed (train.packing) into sequences of
+        cfg.window tokens, or of the micro-batch's length.
         -> (summed grads, ce_sum, kl_sum, {"computed": positions, "micro": n, "packed": n packed})."""
         acc, ce, kl = None, 0.0, 0.0
         count = {"computed": 0, "micro": len(micro), "packed": 0}
@@ -235,7 +237,7 @@ class Stepper:
             pos, lab = select(labels)
             x = self.prefix.feed(ids, labels)
             base = None if self.base_cache is None else self.base_cache.logits(ids, labels, pos, x)
-            pk = Packing.plan(lengths[0], ids.shape[1]) if self.pack and lengths else None
+            pk = Packing.plan(lengths[0], self.window or ids.shape[1]) if self.pack and lengths else None
             if pk is not None and pk.packed:
                 out = self._packed(pk, ids, labels, x, base, inv)
                 count["computed"] += pk.n_seq * pk.T
@@ -262,7 +264,7 @@ class Stepper:
             moved[:len(order)] = base[order]
             base = moved
         feed = pk.apply(x, 0)
-        return self.fn_packed(feed, pos, lab, inv, pk.positions(), pk.segments(), *self._chunks(base))
+        return self.fn_packed(feed, pos, lab, inv, pk.positions(), pk.spans(), *self._chunks(base))
 
     def step(self, micro, lr, rehearsal=None, group=None):
         """gradient() then train.loop.apply (clip, AdamW, assign): the loop's step, for callers

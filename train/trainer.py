@@ -16,7 +16,7 @@ from vkdsl.ops.losses import check_labels
 from vkdsl.precision import current as matmul_precision_now
 
 from . import checkpoint, evidence, loop
-from .data import IGNORE, DataError, Sampler, check_batches, collate, load_examples, load_passages
+from .data import IGNORE, DataError, Sampler, WindowSampler, check_batches, collate, load_examples, load_passages
 from .distributed import Single
 from .heldout import Heldout
 from .loop import TrainingStopped  # noqa: F401  (re-exported: the CLI's user error)
@@ -89,7 +89,10 @@ class Run:
         cache = reuse.stepper.base_cache if reuse is not None and reuse.prefix is self.prefix else None
         self.stepper = Stepper(self.model, self.params, cfg, self.prefix, base_cache=cache)
         self.rows_per_step = cfg.batch_size * cfg.grad_accum * self.group.size
-        self.sampler = Sampler(self.train, self.rows_per_step, cfg.data_seed)
+        self.sampler = self.new_sampler()
+        if cfg.window:
+            self.r.say(f"packing: {len(self.train)} rows first-fit into windows of {cfg.window} tokens, "
+                       f"{100 * self.sampler.utilization():.1f}% of their positions real tokens")
         self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix,
                                       self.group)
         self.held = Heldout(cfg, self.model, self.ckpt, self.tok, self.pad, self.scorer, self.heldout, self.passages)
@@ -125,11 +128,18 @@ class Run:
                    f"B, which starts at 0; A moves from step 2 on")
 
     # ---- batches ----
+    def new_sampler(self):
+        """The SFT order: rows_per_step rows a step, or with cfg.window as many packed windows."""
+        if self.cfg.window:
+            return WindowSampler(self.train, self.rows_per_step, self.cfg.data_seed, self.cfg.window)
+        return Sampler(self.train, self.rows_per_step, self.cfg.data_seed)
+
     def micro_batches(self, idx):
+        """idx: the step's rows (or windows: lists of rows) -> batch_size rows (windows) per micro-batch."""
         bs = self.cfg.batch_size
         out = []
         for s in range(0, len(idx), bs):
-            rows = [self.train[i] for i in idx[s:s + bs]]
+            rows = [self.train[i] for w in idx[s:s + bs] for i in (w if self.cfg.window else [w])]
             ids, lab = collate(rows, self.pad, self.cfg.bucket, self.cfg.max_len)
             if not (lab != IGNORE).any():
                 raise DataError(f"batch at step {self.step + 1} has no supervised token: rows "
@@ -246,8 +256,9 @@ class Run:
             if p.shape != a.shape:
                 raise checkpoint.CheckpointError(f"{path}: an adapter tensor of shape {a.shape}, the model's is "
                                                  f"{p.shape}")
-        checkpoint.check_order(path, meta, Sampler(self.train, self.rows_per_step, self.cfg.data_seed),
-                               f"data_seed {self.cfg.data_seed}, {self.rows_per_step} rows per step "
+        checkpoint.check_order(path, meta, self.new_sampler(),
+                               f"data_seed {self.cfg.data_seed}, {self.rows_per_step} {'windows' if self.cfg.window else 'rows'} "
+                               f"per step "
                                f"(batch_size x grad_accum x processes) over this training file")
         import vkdsl
         for p, a in zip(self.params, params):

@@ -4,8 +4,10 @@
 // head, so the T x T score matrix never exists and each key/value load serves G heads.
 // A workgroup holds 64 queries of one (batch, kv head): the key/value addresses are then the same
 // for every lane (uniform loads, which CPU drivers turn into one load instead of a loop over lanes).
-// q (B, Tq, Hq, D), k and v (B, Tk, Hkv, D), mask (B, Tq, Tk) additive (read when HAS_MASK),
-// out (B, Tq, Hq, D). Query head h reads kv head h / G, G = Hq / Hkv (a define, with D, so the
+// q (B, Tq, Hq, D), k and v (B, Tk, Hkv, D), out (B, Tq, Hq, D). has_mask 1: mask (B, Tq, Tk)
+// additive; 2: spans (B, T, 2) uint, each token's row [start, end) in a packed sequence (causal, rows
+// contiguous, so starts and ends never decrease along T): query i sees keys start_i..i only, and the
+// workgroup's loop starts at its first query's start instead of 0 (O(row length), not O(T)). Query head h reads kv head h / G, G = Hq / Hkv (a define, with D, so the
 // per-head arrays live in registers). CAUSAL: key j visible iff j <= i + (Tk - Tq).
 #extension GL_EXT_control_flow_attributes : require
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
@@ -19,6 +21,7 @@ void load8(u64vec4 c, out vec4 lo, out vec4 hi) {
     hi = vec4(uintBitsToFloat(unpackUint2x32(c.z)), uintBitsToFloat(unpackUint2x32(c.w)));
 }
 layout(std430, binding = 4) readonly buffer M_ { float mask[]; };
+layout(std430, binding = 4) readonly buffer R_ { uvec2 spans[]; };
 layout(push_constant) uniform AttnPush { uint B, Tq, Tk, Hq, Hkv, causal, has_mask; float scale; } ap;
 
 const int D4 = D / 4;
@@ -44,10 +47,12 @@ void main() {
     const uint i_last = min(i0 + gl_WorkGroupSize.x, ap.Tq) - 1u;
     const uint last = ap.causal != 0u ? min(ap.Tk, i_last + (ap.Tk - ap.Tq) + 1u) : ap.Tk;
     const uint mine = ap.causal != 0u ? i + (ap.Tk - ap.Tq) : ap.Tk;
-    for (uint j = 0u; j < last; j++) {
+    const uint lo = ap.has_mask == 2u ? spans[b * ap.Tq + ic].x : 0u;
+    const uint first = ap.has_mask == 2u ? spans[b * ap.Tq + i0].x : 0u;
+    for (uint j = first; j < last; j++) {
         const uint kbase = ((b * ap.Tk + j) * ap.Hkv + kvh) * D4;
-        const float add = ap.has_mask != 0u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
-        if (j > mine || add == NEG_INF) continue;      // a masked key adds nothing
+        const float add = ap.has_mask == 1u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
+        if (j > mine || j < lo || add == NEG_INF) continue;      // a masked key adds nothing
         vec4 kj[D4];
         [[unroll]] for (int d = 0; d < D4 / 2; d++) load8(k_in[kbase / 2 + d], kj[2 * d], kj[2 * d + 1]);
         float p[G], corr[G];

@@ -11,7 +11,9 @@
 // (batch, key, kv head), a workgroup = 64 keys. Either way the operand streamed over the loop is at
 // a workgroup-uniform address, loaded 8 floats at a time (on CPU drivers each load whose address
 // the compiler cannot prove uniform is a loop over the SIMD lanes: fewer, wider loads win).
-// Shapes as attention.comp. A query that sees no key gets lse = +inf, so its p is 0 (zero gradients).
+// Shapes and has_mask (1 an additive mask, 2 packed rows' spans) as attention.comp; with spans,
+// passes 0 and 1 start at the workgroup's first query's row start, pass 2 stops at its last key's
+// row end. A query that sees no key gets lse = +inf, so its p is 0 (zero gradients).
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_ARB_gpu_shader_int64 : require
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
@@ -27,6 +29,7 @@ layout(std430, binding = 4) readonly buffer G_ { vec4 g_in[]; };          // dO
 layout(std430, binding = 5) readonly buffer S_ { vec2 stats[]; };         // (lse, delta): passes 1, 2
 layout(std430, binding = 6) readonly buffer O_ { vec4 o_in[]; };          // the forward's output: pass 0
 layout(std430, binding = 7) readonly buffer M_ { float mask[]; };
+layout(std430, binding = 7) readonly buffer R_ { uvec2 spans[]; };
 // the same buffers as 8-float chunks, for the operands pass 2 streams
 layout(std430, binding = 1) readonly buffer Q8_ { u64vec4 q8[]; };
 layout(std430, binding = 4) readonly buffer G8_ { u64vec4 g8[]; };
@@ -55,13 +58,15 @@ void main() {
     const uint i_last = min(i0 + gl_WorkGroupSize.x, ap.Tq) - 1u;
     const uint last = ap.causal != 0u ? min(ap.Tk, i_last + (ap.Tk - ap.Tq) + 1u) : ap.Tk;
     const uint mine = ap.causal != 0u ? i + (ap.Tk - ap.Tq) : ap.Tk;
+    const uint lo = ap.has_mask == 2u ? spans[b * ap.Tq + ic].x : 0u;
+    const uint first = ap.has_mask == 2u ? spans[b * ap.Tq + i0].x : 0u;
 #if PASS == 0
     float m[G], l[G];
     [[unroll]] for (int t = 0; t < G; t++) { m[t] = NEG_INF; l[t] = 0.0; }
-    for (uint j = 0u; j < last; j++) {
+    for (uint j = first; j < last; j++) {
         const uint kb = ((b * ap.Tk + j) * ap.Hkv + kvh) * D8;
-        const float add = ap.has_mask != 0u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
-        if (j > mine || add == NEG_INF) continue;
+        const float add = ap.has_mask == 1u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
+        if (j > mine || j < lo || add == NEG_INF) continue;
         vec4 kj[D4];
         [[unroll]] for (int d = 0; d < D8; d++) unpack8(k_in[kb + d], kj[2 * d], kj[2 * d + 1]);
         [[unroll]] for (int t = 0; t < G; t++) {
@@ -90,10 +95,10 @@ void main() {
         lse[t] = stats[item + t].x;
         delta[t] = stats[item + t].y;
     }
-    for (uint j = 0u; j < last; j++) {
+    for (uint j = first; j < last; j++) {
         const uint kb = ((b * ap.Tk + j) * ap.Hkv + kvh) * D8;
-        const float add = ap.has_mask != 0u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
-        if (j > mine || add == NEG_INF) continue;
+        const float add = ap.has_mask == 1u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
+        if (j > mine || j < lo || add == NEG_INF) continue;
         vec4 kj[D4], vj[D4];
         [[unroll]] for (int d = 0; d < D8; d++) {
             unpack8(k_in[kb + d], kj[2 * d], kj[2 * d + 1]);
@@ -123,11 +128,12 @@ void main() {
 void main() {
     const uint kvh = gl_WorkGroupID.y, b = gl_WorkGroupID.z;
     const uint j0 = gl_WorkGroupID.x * gl_WorkGroupSize.x * KPL;
-    uint jj[KPL], item[KPL];
+    uint jj[KPL], item[KPL], hi[KPL];
     vec4 k[KPL][D4], v[KPL][D4], dk[KPL][D4], dv[KPL][D4];
     [[unroll]] for (int c = 0; c < KPL; c++) {
         jj[c] = j0 + c * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
         item[c] = (b * ap.Tk + min(jj[c], ap.Tk - 1u)) * ap.Hkv + kvh;
+        hi[c] = ap.has_mask == 2u ? spans[b * ap.Tk + min(jj[c], ap.Tk - 1u)].y : ap.Tq;   // queries < hi see j
         [[unroll]] for (int d = 0; d < D8; d++) {
             unpack8(k_in[item[c] * D8 + d], k[c][2 * d], k[c][2 * d + 1]);
             unpack8(v_in[item[c] * D8 + d], v[c][2 * d], v[c][2 * d + 1]);
@@ -141,9 +147,11 @@ void main() {
     // causal: query i sees key j iff j <= i + off; the workgroup starts at its first key's first query
     const uint off = ap.Tk - ap.Tq;
     const uint first = ap.causal != 0u ? (j0 > off ? j0 - off : 0u) : 0u;
+    // the row end of the workgroup's last key (a uniform address; ends never decrease along T)
+    const uint stop = ap.has_mask == 2u ? spans[b * ap.Tk + min(j0 + gl_WorkGroupSize.x * KPL, ap.Tk) - 1u].y : ap.Tq;
     for (uint t = 0u; t < uint(G); t++) {
         const uint h = kvh * uint(G) + t;
-        for (uint i = first; i < ap.Tq; i++) {
+        for (uint i = first; i < stop; i++) {
             const uint qi = (b * ap.Tq + i) * ap.Hq + h;
             vec4 qv[D4], gv[D4];
             [[unroll]] for (int d = 0; d < D8; d++) {
@@ -152,8 +160,8 @@ void main() {
             }
             const vec2 st = stats[qi];
             [[unroll]] for (int c = 0; c < KPL; c++) {
-                const float add = ap.has_mask != 0u ? mask[(b * ap.Tq + i) * ap.Tk + min(jj[c], ap.Tk - 1u)] : 0.0;
-                const bool seen = (ap.causal == 0u || jj[c] <= i + off) && add != NEG_INF;
+                const float add = ap.has_mask == 1u ? mask[(b * ap.Tq + i) * ap.Tk + min(jj[c], ap.Tk - 1u)] : 0.0;
+                const bool seen = (ap.causal == 0u || jj[c] <= i + off) && i < hi[c] && add != NEG_INF;
                 vec4 sa = vec4(0.0), pa = vec4(0.0);
                 [[unroll]] for (int d = 0; d < D4; d++) {
                     sa += k[c][d] * qv[d];
