@@ -147,7 +147,20 @@ def _ranks(g, cfg, out):
     return tempfile.mkdtemp(prefix=f"vkdsl-rank{g.rank}-"), table
 
 
-def _run(config_path, resume, over, mode="auto", overwrite=False) -> int:
+def _plan(cfg) -> int:
+    """vkdsl-train --plan: the model and adapters loaded, the run's device memory planned and
+    printed (train.memplan); nothing trained, no run folder written."""
+    import tempfile
+    from vkdsl.precision import matmul_precision
+    from vkdsl.train.trainer import run
+    open_device(None)
+    cfg.quiet = False
+    with tempfile.TemporaryDirectory(prefix="vkdsl-plan-") as scratch, matmul_precision(cfg.precision):
+        run(cfg, scratch, plan_only=True)
+    return 0
+
+
+def _run(config_path, resume, over, mode="auto", overwrite=False, plan=False) -> int:
     from vkdsl.train import distributed
     from vkdsl.train.progress import Reporter
     from vkdsl.train.stages import dpo_stage, export
@@ -161,6 +174,8 @@ def _run(config_path, resume, over, mode="auto", overwrite=False) -> int:
     if env_precision and env_precision != cfg.precision:
         say.say(f"VKDSL_PRECISION={env_precision} is set; this run computes at its precision setting, "
                 f"{cfg.precision} (--precision)")
+    if plan:
+        return _plan(cfg)
     g = distributed.group(mode)
     if g.root:
         if resume:
@@ -192,12 +207,12 @@ def _run(config_path, resume, over, mode="auto", overwrite=False) -> int:
     return 0 if all(ok for _, ok, _ in r.gates) else GATE_FAILED
 
 
-def _main(config_path, resume, distributed="auto", overwrite=False, **values):
+def _main(config_path, resume, distributed="auto", overwrite=False, plan=False, **values):
     over = {k: v for k, v in values.items() if v is not None}
     from vkdsl.train.distributed import DistributedError
     from vkdsl.train.trainer import TrainingStopped
     try:
-        code = _run(config_path, resume, over, distributed, overwrite)
+        code = _run(config_path, resume, over, distributed, overwrite, plan)
     except (*USER_ERRORS, TrainingStopped, DistributedError, click.ClickException) as e:
         if os.environ.get("VKDSL_DEBUG") == "1":
             raise
@@ -222,6 +237,9 @@ train = click.Command(
                          help="start a new run in an --out folder that holds an earlier run, emptying it first"),
             click.Option(["--distributed"], type=click.Choice(["auto", "mpi", "none"]), default="auto",
                          show_default=True, help="data-parallel over MPI: auto = when started by mpirun"),
+            click.Option(["--plan"], is_flag=True, default=False,
+                         help="print the run's device-memory plan (weights, step, prefix, evaluation) against its "
+                              "budget (--device-memory) and exit: nothing is trained"),
             click.Option(["--profile"], default=None, metavar="NAME", expose_value=False, callback=_set_profile,
                          help="capability profile: run as a device of this class would (see vkdsl devices)")]
     + [_option(name) for name in C.FIELDS])
@@ -248,6 +266,7 @@ def parse(argv) -> tuple[str | None, str | None, dict]:
     p = dict(ctx.params)
     p.pop("distributed")                    # how the run is launched, not a setting of the run
     p.pop("overwrite")
+    p.pop("plan")
     return p.pop("config_path"), p.pop("resume"), {k: v for k, v in p.items() if v is not None}
 
 

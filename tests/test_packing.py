@@ -103,7 +103,8 @@ def test_the_step_is_the_same_packed_or_padded(tiny, tmkl, prefix_layer, window)
     ids, lab, lens = rows_of([20, 9, 12, 3], 32, seed=1)
     got = {}
     for pack in (False, True):
-        st, params = stepper(tiny, pack, prefix_layer, tmkl=tmkl, window=window if pack else 0)
+        win = dict(window=window, batch_size=1) if pack and window else {}     # one window a micro-batch
+        st, params = stepper(tiny, pack, prefix_layer, tmkl=tmkl, **win)
         recs = [st.step([(ids, lab, lens)], 0.05) for _ in range(2)]     # step 2: A and TMKL live
         got[pack] = recs, [p.numpy() for p in params]
     (padded, p_pad), (packed, p_pack) = got[False], got[True]

@@ -1,5 +1,6 @@
 """vkdsl.trace: compile once, replay with new inputs; buffer reuse; assigns; no per-dispatch work."""
 import numpy as np
+import pytest
 
 import vkdsl
 from vkdsl.runtime.commands import Recording
@@ -85,3 +86,16 @@ def test_zero_dim_inputs_keep_their_shape():
     out = f(np.float32(2.5), np.arange(3, dtype=np.float32))
     assert f.program(np.float32(2.5), np.arange(3, dtype=np.float32)).inputs[0].shape == ()
     assert np.array_equal(out, np.arange(3, dtype=np.float32) * np.float32(2.5))
+
+
+def test_keep_holds_at_most_that_many_programs_and_frees_the_others():
+    import vkdsl
+    from vkdsl.runtime import default_device
+    f = vkdsl.trace(lambda x: (x * 2.0 + 1.0).sum(), keep=1)
+    dev = default_device()
+    before = dev.allocated_bytes
+    for n, want in ((1 << 18, 2.0 * (1 << 18) * 2 + 1), (1 << 19, None), (1 << 18, None)):
+        out = f(np.full(n, 0.5, np.float32))
+        assert float(np.asarray(out)) == pytest.approx(2.0 * n)          # 0.5 * 2 + 1 per element
+        assert len(f.programs) == 1
+        assert dev.allocated_bytes - before < 4 * n + 4096                # the other shape's buffers are gone

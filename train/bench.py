@@ -112,7 +112,7 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
             _free(model, st.fn, st.fn_packed)
             continue
         try:
-            t, recs = time_stepper(model, st, params, [(ids, labels)])
+            t, recs = time_stepper(model, st, params, [(ids, labels)], reps=2 if B * T <= 2048 else 1)
         except DeviceMemoryError as e:             # said as a row: the other cases still run
             rows.append({"case": case, "error": f"does not fit: {e}"})
             _free(model, st.fn, st.fn_packed)

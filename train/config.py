@@ -52,6 +52,7 @@ class TrainConfig:
     tmkl_cache_bytes: int = 1 << 30                  # base logits kept for TMKL; 0 = a base forward every step
     prefix_cache_bytes: int = 1 << 30                # outputs of the layers below the first adapter; 0 = off
     checkpoint: str = "none"                         # activations in the backward: none (kept), layers, every:K
+    device_memory: str = ""                          # the plan's budget, e.g. 4G ("": the device's own)
     lr: float = 2e-3
     warmup: int = 2
     min_lr_ratio: float = 0.1
@@ -124,6 +125,8 @@ class TrainConfig:
             (self.tmkl_cache_bytes >= 0, "tmkl_cache_bytes must be >= 0"),
             (self.prefix_cache_bytes >= 0, "prefix_cache_bytes must be >= 0"),
             (self.checkpoint_layers >= 0, "checkpoint must be none, layers or every:K with K >= 1"),
+            (self._device_memory_ok(), f"device_memory {self.device_memory!r}: expected bytes with an optional "
+                                       f"K/M/G suffix, e.g. 4G, or empty for the device's own budget"),
             (self.lr > 0, "lr must be > 0"),
             (self.warmup >= 0, "warmup must be >= 0"),
             (self.warmup <= self.steps or self.objective == "dpo",
@@ -168,6 +171,13 @@ class TrainConfig:
             return {"none": 0, "layers": 1}[c]
         k = c.removeprefix("every:")
         return int(k) if c.startswith("every:") and k.isdigit() and int(k) >= 1 else -1
+
+    def _device_memory_ok(self) -> bool:
+        from vkdsl.runtime.context import parse_bytes
+        try:
+            return not self.device_memory or parse_bytes(str(self.device_memory)) > 0
+        except ValueError:
+            return False
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -219,6 +229,9 @@ HELP = {
     "checkpoint": "activation checkpointing: none keeps every layer's activations for the backward; layers "
                   "keeps each adapted layer's input and recomputes the layer in the backward; every:K keeps one "
                   "input in K layers (less memory, one more forward of the adapted layers per step)",
+    "device_memory": "the device-memory budget the run is planned against (train.memplan), e.g. 4G; a run over "
+                     "it is refused before its first step with settings that fit; empty: the device's heap (or "
+                     "$VKDSL_DEVICE_MEMORY_LIMIT)",
     "tmkl_cache_bytes": "bytes of host memory for the base model's logits at supervised positions, computed "
                         "once per training row; 0 = a base forward in every step",
     "prefix_cache_bytes": "bytes of host memory for the output of the layers below the first adapted one, "

@@ -43,17 +43,19 @@ class RowScores:
 class Scorer:
     """Per-row sum of next-token log-probs over supervised positions, adapters on or off."""
 
-    def __init__(self, model, pad_id, bucket, max_len, batch, prefix=None, group=None):
+    def __init__(self, model, pad_id, bucket, max_len, batch, prefix=None, group=None, keep=0):
         """prefix: train.prefix.FrozenPrefix, shared with training (its rows are reused); None: off.
         group: train.distributed's process group: the batches are shared out over the ranks and
-        the scores gathered, in row order, on every rank (None: this process scores them all)."""
+        the scores gathered, in row order, on every rank (None: this process scores them all).
+        keep: programs each scoring function holds (vkdsl.trace; 0: one per batch shape)."""
         self.model, self.pad, self.bucket, self.max_len, self.batch = model, pad_id, bucket, max_len, batch
+        self.keep = keep
         self.group = group
         self.prefix = prefix or FrozenPrefix(model, 0, 0)
         self.fns = {on: self._build(on) for on in (True, False)}
 
     def _build(self, on):
-        @vkdsl.trace
+        @vkdsl.trace(keep=self.keep)
         def score(ids, pos, labels):
             h = selected_hidden(self.model, ids, pos, on, self.prefix.start)
             return head_rows(self.model, h, lambda lg, lab: (losses.token_logprobs(lg, lab)[0],

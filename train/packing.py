@@ -26,7 +26,9 @@ class Packing:
     n_seq: int
 
     @classmethod
-    def plan(cls, lengths, T: int) -> "Packing":
+    def plan(cls, lengths, T: int, min_seq: int = 0) -> "Packing":
+        """First-fit placement; min_seq: at least this many sequences (the rest padding), so a
+        window-mode micro-batch always has the same shape (one program)."""
         free, place = [], []
         for n in (int(x) for x in lengths):
             if not 0 < n <= T:
@@ -37,7 +39,7 @@ class Packing:
                 free.append(T)
             place.append((s, T - free[s]))
             free[s] -= n
-        return cls(T, np.asarray(lengths, np.int64), place, len(free))
+        return cls(T, np.asarray(lengths, np.int64), place, max(len(free), min_seq))
 
     @property
     def packed(self) -> bool:

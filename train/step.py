@@ -26,12 +26,12 @@ from .prefix import FrozenPrefix
 
 
 
-def select(labels: np.ndarray, bucket: int = 16):
+def select(labels: np.ndarray, bucket: int = 16, size: int = 0):
     """labels (B, T) -> flat positions (S,) int32 and their labels (S,), S padded to a multiple
-    of `bucket` with position 0 / label -100 (ignored)."""
+    of `bucket` (or to `size` when they fit it) with position 0 / label -100 (ignored)."""
     flat = labels.reshape(-1)
     pos = np.flatnonzero(flat != IGNORE).astype(np.int32)
-    S = max(bucket, -(-len(pos) // bucket) * bucket)
+    S = size if len(pos) <= size else max(bucket, -(-len(pos) // bucket) * bucket)
     p = np.zeros(S, np.int32)
     lab = np.full(S, IGNORE, np.int32)
     p[:len(pos)], lab[:len(pos)] = pos, flat[pos]
@@ -82,12 +82,13 @@ def _cat(parts):
 
 
 def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0, packed: bool = False,
-                  checkpoint: int = 0):
+                  checkpoint: int = 0, keep: int = 0):
     """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, positions (B,T), spans (B,T,2)] [, base
     logits (S,V) as split_rows' chunks]) -> (ce_sum, kl_sum, *grads). base_input: the base model's
     logits come in (cached) instead of a base forward. start > 0: ids is the frozen prefix's output
     (train.prefix). packed: rows share sequences (train.packing): their positions and row spans
-    come in too. checkpoint: layers per recomputed group (0: keep every activation)."""
+    come in too. checkpoint: layers per recomputed group (0: keep every activation). keep: programs
+    held at once (vkdsl.trace; 0: one per shape seen)."""
     def rows(lg, labels, *base):
         ce = -losses.token_logprobs(lg, labels)[0]
         if not base:
@@ -96,7 +97,7 @@ def build_grad_fn(model, params, lam: float, base_input: bool = False, start: in
         kl = losses.tmkl_rows(lg, base_lg, labels)
         return ce + kl * lam, ce, kl
 
-    @vkdsl.trace
+    @vkdsl.trace(keep=keep)
     def grad_step(ids, pos, labels, inv_n, *rest):
         pk, base = (rest[:2], rest[2:]) if packed else ((), rest)
         h = selected_hidden(model, ids, pos, True, start, pk, checkpoint)
@@ -217,12 +218,18 @@ class Stepper:
         self.base_cache = None
         if cfg.tmkl > 0 and budget > 0:
             self.base_cache = base_cache if base_cache is not None else BaseLogitCache(model, budget, prefix.start)
+        # window mode: every micro-batch is batch_size windows with every position a head row, so one
+        # program (a shape each) serves every step and its memory is planned exactly (train.memplan)
+        self.window = getattr(cfg, "window", 0)
+        self.head_rows = 0          # window mode: supervised positions of the largest micro-batch (memplan)
+        if self.window:
+            self.base_cache = None              # TMKL's base forward runs in the step, on the windows
         build = lambda packed: build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None,  # noqa: E731
                                              start=prefix.start, packed=packed,
-                                             checkpoint=getattr(cfg, "checkpoint_layers", 0))
+                                             checkpoint=getattr(cfg, "checkpoint_layers", 0),
+                                             keep=2 if self.window else 0)
         self.fn, self.fn_packed = build(False), build(True)
         self.pack = bool(getattr(cfg, "pack", False))
-        self.window = getattr(cfg, "window", 0)        # sequences of this length (0: the micro-batch's own)
         self.opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
 
     def grads(self, micro, n_total):
@@ -237,8 +244,8 @@ class Stepper:
             pos, lab = select(labels)
             x = self.prefix.feed(ids, labels)
             base = None if self.base_cache is None else self.base_cache.logits(ids, labels, pos, x)
-            pk = Packing.plan(lengths[0], self.window or ids.shape[1]) if self.pack and lengths else None
-            if pk is not None and pk.packed:
+            pk = self.packing(lengths[0], ids.shape[1]) if self.pack and lengths else None
+            if pk is not None and (pk.packed or self.window):
                 out = self._packed(pk, ids, labels, x, base, inv)
                 count["computed"] += pk.n_seq * pk.T
                 count["packed"] += 1
@@ -250,6 +257,12 @@ class Stepper:
             acc = gs if acc is None else [a + g for a, g in zip(acc, gs)]
         return acc, ce, kl, count
 
+    def packing(self, lengths, T):
+        """Rows into sequences of the micro-batch's length T, or into batch_size windows."""
+        if self.window:
+            return Packing.plan(lengths, self.window, min_seq=self.cfg.batch_size)
+        return Packing.plan(lengths, T)
+
     def _chunks(self, base):
         return () if base is None else split_rows(base, self.model.logit_rows)
 
@@ -257,7 +270,7 @@ class Stepper:
         """The step on packed rows: the frozen prefix's streams and cached base logits (computed row
         by row in the padded layout) are moved to the packed layout."""
         plab = pk.apply(labels, IGNORE)
-        pos, lab = select(plab)
+        pos, lab = select(plab, size=self.head_rows)
         if base is not None:
             order = pk.supervised_order(labels)
             moved = np.zeros((len(pos),) + base.shape[1:], np.float32)

@@ -15,7 +15,7 @@ from vkdsl.models.llama import Llama
 from vkdsl.ops.losses import check_labels
 from vkdsl.precision import current as matmul_precision_now
 
-from . import checkpoint, evidence, loop
+from . import checkpoint, evidence, loop, memplan
 from .data import IGNORE, DataError, Sampler, WindowSampler, check_batches, collate, load_examples, load_passages
 from .distributed import Single
 from .heldout import Heldout
@@ -78,7 +78,8 @@ class Run:
         if self.rehearsal:
             self.r.say(f"rehearsal: {len(self.rehearsal)} passages of general text, weight {cfg.rehearsal_weight}, "
                        f"{cfg.rehearsal_batch} per step")
-        start = first_adapted_layer(self.names)
+        # window mode (long data): no frozen-prefix cache, whose rows are kept in the padded layout
+        start = 0 if cfg.window else first_adapted_layer(self.names)
         if reuse is not None and reuse.prefix.start == start and cfg.prefix_cache_bytes == reuse.cfg.prefix_cache_bytes:
             self.prefix = reuse.prefix
         else:
@@ -91,10 +92,11 @@ class Run:
         self.rows_per_step = cfg.batch_size * cfg.grad_accum * self.group.size
         self.sampler = self.new_sampler()
         if cfg.window:
+            self.stepper.head_rows = memplan.head_rows(self.train, cfg)
             self.r.say(f"packing: {len(self.train)} rows first-fit into windows of {cfg.window} tokens, "
                        f"{100 * self.sampler.utilization():.1f}% of their positions real tokens")
         self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix,
-                                      self.group)
+                                      self.group, keep=1 if cfg.window else 0)
         self.held = Heldout(cfg, self.model, self.ckpt, self.tok, self.pad, self.scorer, self.heldout, self.passages)
         self.init_sum = evidence.checksum([p.numpy() for p in self.params])
         self.step, self.first_loss, self.last_loss = 0, None, None
@@ -339,10 +341,11 @@ def _cached_base(path: Path, key: str):
 
 
 def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None, reuse=None, final=True,
-        files=None, group=None):
+        files=None, group=None, plan_only=False):
     """Returns the Run (its final evidence in .final, gates in .gates). at_step: see Run.train_loop.
     final=False: the base evidence but no final evaluation or gates (a probe measuring at its own steps).
-    reuse, files, group: see Run. Runs under vkdsl.matmul_precision(cfg.precision) (as vkdsl-train does)."""
+    reuse, files, group: see Run. plan_only: stop after the device-memory plan (train.memplan).
+    Runs under vkdsl.matmul_precision(cfg.precision) (as vkdsl-train does)."""
     if cfg.precision != matmul_precision_now():
         raise ValueError(f"precision {cfg.precision} asked for, but matmuls trace at {matmul_precision_now()}: "
                          f"call run() under vkdsl.matmul_precision({cfg.precision!r})")
@@ -355,6 +358,9 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
     if not resume:
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
     r = Run(cfg, run_dir, rep, reuse, files, group)
+    memplan.check(r, rep.say)
+    if plan_only:
+        return r
     r.preflight()
     r.dpo_saved = None                  # (meta, params, optimizer) of the DPO stage's checkpoint to resume
     if resume and not any((Path(resume) / n).exists() for n in (checkpoint.NAME, checkpoint.LEGACY)):

@@ -36,8 +36,11 @@ BUILT = {"programs": 0, "seconds": 0.0}
 
 
 class Traced:
-    def __init__(self, fn, device=None, guard_bytes: int = 0):
-        self.fn, self.device, self.guard_bytes = fn, device, guard_bytes
+    def __init__(self, fn, device=None, guard_bytes: int = 0, keep: int = 0):
+        """keep > 0: hold at most this many programs (one per input shapes), releasing the least
+        recently used before building another; 0 keeps every one (a program holds its buffers, so
+        a function called at many shapes would hold the sum of their memory)."""
+        self.fn, self.device, self.guard_bytes, self.keep = fn, device, guard_bytes, keep
         self.programs = {}
 
     def _key(self, arrays):
@@ -49,7 +52,11 @@ class Traced:
         key = self._key(arrays)
         if key in self.programs and any(probe() != value for probe, value in self.programs[key][2]):
             self.programs.pop(key)[0].release()        # what it captured changed: build it again
-        if key not in self.programs:
+        if key in self.programs:
+            self.programs[key] = self.programs.pop(key)      # most recently used last
+        else:
+            while self.keep and len(self.programs) >= self.keep:
+                self.programs.pop(next(iter(self.programs)))[0].release()
             t0 = time.perf_counter()
             holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype]) for i, a in enumerate(arrays)]
             with capturing() as cap:
@@ -106,9 +113,9 @@ def _as_input(a, i):
     raise TypeError(f"input {i}: expected a float or integer array, got dtype {a.dtype}")
 
 
-def trace(fn=None, *, device=None, guard_bytes: int = 0):
+def trace(fn=None, *, device=None, guard_bytes: int = 0, keep: int = 0):
     """Decorator: @vkdsl.trace def step(x, y): ...; step(np_x, np_y) -> numpy results.
-    guard_bytes: sentinel words past each output (see Program.guards_intact)."""
+    guard_bytes: sentinel words past each output (see Program.guards_intact). keep: see Traced."""
     if fn is None:
-        return lambda f: Traced(f, device, guard_bytes)
-    return Traced(fn, device, guard_bytes)
+        return lambda f: Traced(f, device, guard_bytes, keep)
+    return Traced(fn, device, guard_bytes, keep)

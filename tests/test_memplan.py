@@ -1,0 +1,89 @@
+"""The device-memory plan (train.memplan) and window-mode training on the tiny model: the plan's
+step is the program the run then builds (its buffers, to 1%), window mode builds one step program
+whatever the rows, a run over its budget is refused in one line naming settings that fit, and
+`vkdsl-train --plan` prints the plan without training."""
+import numpy as np
+import pytest
+
+from fixtures.cli import vkdsl
+from fixtures.synthetic import build_tiny
+from fixtures.train_data import tiny_cfg, write_jsonl
+from vkdsl.train import loop, memplan
+from vkdsl.train.progress import Reporter
+from vkdsl.train.trainer import Run, SftObjective
+
+WORDS = "a b c d e f g h".split()
+
+
+def chats(n, seed=0):
+    """n conversations of one or two exchanges, 1-5 short words a turn (the tiny model's 64-token
+    context holds the longest)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        turns = [" ".join(rng.choice(WORDS, size=int(rng.integers(1, 6)))) for _ in range(2 * int(rng.integers(1, 3)))]
+        out.append({"messages": [{"role": "user" if k % 2 == 0 else "assistant", "content": t}
+                                 for k, t in enumerate(turns)]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("memplan")
+    (tmp / "model").mkdir()
+    tm = build_tiny(tmp / "model", seed=0)
+    tr = write_jsonl(tmp / "chats.jsonl", chats(40))
+    return tm, tr, tmp
+
+
+def window_run(setup, **kw):
+    tm, tr, tmp = setup
+    cfg = tiny_cfg((tm, tr, "", ""), **{**dict(label_eval=False, window=64, batch_size=2, layers="",
+                                                checkpoint="layers"), **kw})
+    return Run(cfg, tmp / "run", Reporter(None, quiet=True))
+
+
+def program_bytes(prog):
+    return sum(b.nbytes for b in {id(b): b for b in prog.bufs.values()}.values())
+
+
+def test_the_planned_step_is_the_program_window_mode_builds_and_the_only_one(setup):
+    r = window_run(setup)
+    planned = memplan.plan(r)["parts"]["sft step"]
+    obj = SftObjective(r)
+    for s in range(4):                       # four steps, windows of different rows and counts
+        rec = loop.one_step(obj, r.params, r.stepper.opt, s)
+        assert np.isfinite(rec["loss"]) and rec["computed"] == 2 * 64
+    progs = [p for p, _, _ in r.stepper.fn_packed.programs.values()]
+    assert len(progs) == 1 and not r.stepper.fn.programs
+    assert program_bytes(progs[0]) == pytest.approx(planned, rel=0.01)
+
+
+def test_a_run_over_its_budget_is_refused_naming_settings_that_fit(setup):
+    r = window_run(setup, checkpoint="none")
+    p = memplan.plan(r)
+    with_layers = memplan._total_with(r, p, memplan.alternatives(r.cfg)[0])
+    assert memplan.alternatives(r.cfg)[0].checkpoint == "layers" and with_layers < p["total"]
+    r.cfg.device_memory = str((with_layers + p["total"]) // 2)     # the layers plan fits, this one not
+    with pytest.raises(memplan.MemoryPlanError, match=r"budget is .* MiB: checkpoint = layers, batch_size = 2, "
+                                                      r"grad_accum = 1 fits"):
+        memplan.check(r, lambda s: None)
+    r.cfg.device_memory = "1K"
+    with pytest.raises(memplan.MemoryPlanError, match="no checkpointing or batch split fits"):
+        memplan.check(r, lambda s: None)
+
+
+def test_vkdsl_train_plan_prints_the_plan_and_trains_nothing(setup, tmp_path):
+    tm, tr, _ = setup
+    args = ["train", "--plan", "--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", "",
+            "--preservation-file", "", "--no-label-eval", "--window", "64", "--max-len", "64", "--layers", "",
+            "--batch-size", "2", "--out", str(tmp_path / "out"), "--no-verify"]
+    p = vkdsl(args)
+    assert p.returncode == 0, p.stderr
+    text = p.stdout + p.stderr
+    assert "device memory plan (2 window(s) of 64 tokens" in text and "sft step" in text
+    assert not (tmp_path / "out").exists()
+    bad = vkdsl(args + ["--device-memory", "1K"])
+    assert bad.returncode == 1 and "budget is 0 MiB" in bad.stderr and "Traceback" not in bad.stderr
+    worse = vkdsl(args + ["--device-memory", "lots"])
+    assert worse.returncode != 0 and "device_memory 'lots'" in worse.stderr
