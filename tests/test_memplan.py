@@ -62,11 +62,12 @@ def test_the_planned_step_is_the_program_window_mode_builds_and_the_only_one(set
 def test_a_run_over_its_budget_is_refused_naming_settings_that_fit(setup):
     r = window_run(setup, checkpoint="none")
     p = memplan.plan(r)
-    with_layers = memplan._total_with(r, p, memplan.alternatives(r.cfg)[0])
-    assert memplan.alternatives(r.cfg)[0].checkpoint == "layers" and with_layers < p["total"]
+    fix = memplan.alternatives(r.cfg)[0]
+    with_layers = memplan.plan(r, fix)["total"]
+    assert (fix.checkpoint, fix.batch_size, fix.eval_batch) == ("layers", 2, 4) and with_layers < p["total"]
     r.cfg.device_memory = str((with_layers + p["total"]) // 2)     # the layers plan fits, this one not
     with pytest.raises(memplan.MemoryPlanError, match=r"budget is .* MiB: checkpoint = layers, batch_size = 2, "
-                                                      r"grad_accum = 1 fits"):
+                                                      r"grad_accum = 1, eval_batch = 4 fits"):
         memplan.check(r, lambda s: None)
     r.cfg.device_memory = "1K"
     with pytest.raises(memplan.MemoryPlanError, match="no checkpointing or batch split fits"):

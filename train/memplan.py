@@ -28,16 +28,17 @@ class MemoryPlanError(ValueError):
     pass
 
 
-def _largest(cfg):
-    """(rows or windows per micro-batch, tokens per sequence) of the largest micro-batch."""
-    return cfg.batch_size, cfg.window or bucket_len(cfg.max_len, cfg.bucket, cfg.max_len)
+def _largest(cfg, rows):
+    """(rows or windows per micro-batch, tokens per sequence) of the largest micro-batch of rows."""
+    longest = max((len(r.ids) for r in rows), default=1)
+    return cfg.batch_size, cfg.window or bucket_len(longest, cfg.bucket, cfg.max_len)
 
 
 def head_rows(rows, cfg) -> int:
     """An upper bound on the supervised positions of one micro-batch of these rows, a multiple of
     16: the B most supervised rows, or with windows the fractional knapsack of B windows' tokens
     (rows by supervised share, the last one in part), which no packing can exceed."""
-    B, T = _largest(cfg)
+    B, T = _largest(cfg, rows)
     sup = sorted(((sum(x != IGNORE for x in r.labels), len(r.ids)) for r in rows),
                  key=lambda s: -s[0] / max(s[1], 1) if cfg.window else -s[0])
     room, n = B * T if cfg.window else B, 0
@@ -57,38 +58,43 @@ def _supervised(B, T, n) -> np.ndarray:
     return lab.reshape(B, T)
 
 
-def step_bytes(model, stepper, cfg, rows) -> int:
+def step_bytes(r, cfg) -> int:
     """Device bytes of the SFT step's program at the largest micro-batch (nothing built)."""
-    B, T = _largest(cfg)
-    ids = np.zeros((B, T), np.int32)
-    pos, lab = select(_supervised(B, T, head_rows(rows, cfg)), size=head_rows(rows, cfg))
+    from .step import Stepper
+    m, rows = r.model, r.train
+    stepper = r.stepper if cfg is r.cfg else Stepper(m, r.params, cfg, r.prefix)
+    B, T = _largest(cfg, rows)
+    n = head_rows(rows, cfg)
+    pos, lab = select(_supervised(B, T, n), size=n)
     inv = np.ones(1, np.float32)
-    feed = ids if not stepper.prefix.start else np.zeros((B, T, model.cfg.dim), np.float32)
+    feed = np.zeros((B, T), np.int32) if not stepper.prefix.start else np.zeros((B, T, m.cfg.dim), np.float32)
     base = () if stepper.base_cache is None else tuple(
-        split_rows(np.zeros((len(pos), model.cfg.vocab_size), np.float32), model.logit_rows))
+        split_rows(np.zeros((len(pos), m.cfg.vocab_size), np.float32), m.logit_rows))
     if cfg.window:
         pk = Packing.plan([T] * B, T, min_seq=B)
         return stepper.fn_packed.plan(feed, pos, lab, inv, pk.positions(), pk.spans(), *base)["total"]
     return stepper.fn.plan(feed, pos, lab, inv, *base)["total"]
 
 
-def plan(r) -> dict:
-    """The run's planned device bytes by part, their total and the budget."""
-    cfg, m = r.cfg, r.model
-    B, T = _largest(cfg)
+def plan(r, cfg=None) -> dict:
+    """The run's planned device bytes by part, their total and the budget (under other settings
+    cfg: the same model, adapters and rows)."""
+    cfg = cfg or r.cfg
+    m = r.model
     parts = {"weights": m.device_bytes()["device_bytes"],
              "adapters": sum(p.size * 4 for p in r.params),
-             "sft step": step_bytes(m, r.stepper, cfg, r.train)}
+             "sft step": step_bytes(r, cfg)}
+    B, T = _largest(cfg, r.train)
     if r.prefix.start:
         parts["frozen prefix"] = r.prefix.fn.plan(np.zeros((B, T), np.int32))["total"]
-    E, T = cfg.eval_batch, bucket_len(cfg.max_len, cfg.bucket, cfg.max_len)
-    scored = dataclasses.replace(cfg, batch_size=E, window=0)
-    n = head_rows(r.heldout + r.passages, scored)
-    pos, lab = select(_supervised(E, T, n), size=n)
-    feed = np.zeros((E, T, m.cfg.dim), np.float32) if r.prefix.start else np.zeros((E, T), np.int32)
-    parts["evaluation"] = 2 * r.scorer.fns[True].plan(feed, pos, lab)["total"]     # adapters on, and off
-    total = sum(parts.values())
-    return {"parts": parts, "total": total, "budget": budget(cfg), "shape": (B, T)}
+    scored = r.heldout + r.passages
+    if scored:
+        E, T = _largest(dataclasses.replace(cfg, batch_size=cfg.eval_batch, window=0), scored)
+        n = head_rows(scored, dataclasses.replace(cfg, batch_size=E, window=0))
+        pos, lab = select(_supervised(E, T, n), size=n)
+        feed = np.zeros((E, T, m.cfg.dim), np.float32) if r.prefix.start else np.zeros((E, T), np.int32)
+        parts["evaluation"] = 2 * r.scorer.fns[True].plan(feed, pos, lab)["total"]   # adapters on, and off
+    return {"parts": parts, "total": sum(parts.values()), "budget": budget(cfg), "shape": _largest(cfg, r.train)}
 
 
 def budget(cfg) -> int:
@@ -108,16 +114,19 @@ def lines(p, cfg) -> list[str]:
 
 def alternatives(cfg):
     """Settings that need less memory, most faithful first: checkpointing at the same batch, then
-    fewer rows (windows) per micro-batch with more accumulation (the same optimizer step)."""
-    out, b = [], cfg.batch_size
-    while True:
-        for ck in dict.fromkeys([cfg.checkpoint, "layers"]):
-            if (ck, b) != (cfg.checkpoint, cfg.batch_size):
-                out.append(dataclasses.replace(cfg, checkpoint=ck, batch_size=b,
-                                               grad_accum=cfg.grad_accum * (cfg.batch_size // b)))
-        if b == 1 or b % 2:
-            return out
-        b //= 2
+    fewer rows (windows) per micro-batch with more accumulation (the same optimizer step); each
+    with the evaluation batch as it is, then halved."""
+    def halvings(n):
+        while True:
+            yield n
+            if n == 1 or n % 2:
+                return
+            n //= 2
+    return [dataclasses.replace(cfg, checkpoint=ck, batch_size=b, eval_batch=e,
+                                grad_accum=cfg.grad_accum * (cfg.batch_size // b))
+            for b in halvings(cfg.batch_size) for e in halvings(cfg.eval_batch)
+            for ck in dict.fromkeys([cfg.checkpoint, "layers"])
+            if (ck, b, e) != (cfg.checkpoint, cfg.batch_size, cfg.eval_batch)]
 
 
 def check(r, say) -> dict:
@@ -127,16 +136,10 @@ def check(r, say) -> dict:
         say(line)
     if p["total"] <= p["budget"]:
         return p
-    hint = next((c for c in alternatives(r.cfg) if _total_with(r, p, c) <= p["budget"]), None)
-    fix = (f"checkpoint = {hint.checkpoint}, batch_size = {hint.batch_size}, grad_accum = {hint.grad_accum} fits"
-           if hint else "no checkpointing or batch split fits: shorten max_len/window or quantize the base")
-    raise MemoryPlanError(f"the run needs {p['total'] / MiB:.0f} MiB of device memory (step "
-                          f"{p['parts']['sft step'] / MiB:.0f} MiB, weights {p['parts']['weights'] / MiB:.0f} MiB) "
-                          f"and the budget is {p['budget'] / MiB:.0f} MiB: {fix}")
-
-
-def _total_with(r, p, cfg) -> int:
-    """The plan's total with the step traced under other settings (same model and adapters)."""
-    from .step import Stepper
-    step = step_bytes(r.model, Stepper(r.model, r.params, cfg, r.prefix), cfg, r.train)
-    return p["total"] - p["parts"]["sft step"] + step
+    hint = next((c for c in alternatives(r.cfg) if plan(r, c)["total"] <= p["budget"]), None)
+    fix = (f"checkpoint = {hint.checkpoint}, batch_size = {hint.batch_size}, grad_accum = {hint.grad_accum}, "
+           f"eval_batch = {hint.eval_batch} fits" if hint else
+           "no checkpointing or batch split fits: shorten max_len/window or quantize the base")
+    big = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in p["parts"].items() if v >= MiB)
+    raise MemoryPlanError(f"the run needs {p['total'] / MiB:.0f} MiB of device memory ({big}) and the budget "
+                          f"is {p['budget'] / MiB:.0f} MiB: {fix}")
