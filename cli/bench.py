@@ -33,7 +33,11 @@ BENCHES = {
                click.Option(["--shape"], default="4x256", show_default=True, metavar="ROWSxTOKENS",
                             help="the SFT rows' batch (e.g. 1x4096)"),
                click.Option(["--targets"], default="qv,all", show_default=True,
-                            help="which SFT rows: adapters on q,v (qv), on all seven projections (all)")]),
+                            help="which SFT rows: adapters on q,v (qv), on all seven projections (all)"),
+               click.Option(["--steps"], default=0, show_default=True,
+                            help="SFT steps timed after the warm-up, all on the same batch, every loss listed "
+                                 "(0: 2, or 1 above 2048 tokens)"),
+               click.Option(["--lr"], default=1e-4, show_default=True, help="the SFT rows' learning rate")]),
     "parallel": ("vkdsl.train.parallel_bench:bench_parallel",
                  "Data-parallel SFT step (run under mpirun -np P): compute vs all-reduce seconds, ring bytes.",
                  [click.Option(["--steps"], default=6, show_default=True, help="steps timed after one warm-up")]),
@@ -51,7 +55,7 @@ def _arguments(name, kw):
         return (kw["model_path"],)
     if name == "train":
         return (kw["objective"], kw["model_path"], kw["by_kernel"], kw["checkpoint"], kw["plan"], kw["shape"],
-                kw["targets"])
+                kw["targets"], kw["steps"], kw["lr"])
     if name == "parallel":
         return (kw["steps"],)
     return ()

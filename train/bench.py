@@ -82,9 +82,10 @@ def sft_stepper(model, targets, **kw):
     return Stepper(model, params, cfg, FrozenPrefix(model, 0, 0)), params
 
 
-def time_stepper(model, stepper, params, micro, reps=2):
-    """(best seconds, records) of loop.one_step on the Stepper's objective."""
-    obj, recs = StepperObjective(stepper, micro), []
+def time_stepper(model, stepper, params, micro, reps=2, lr=1e-4):
+    """(best seconds, records) of loop.one_step on the Stepper's objective: a warm-up step (which
+    compiles), then reps timed steps, all on the same batch."""
+    obj, recs = StepperObjective(stepper, micro, lr), []
     t = _time(lambda: recs.append(loop.one_step(obj, params, stepper.opt, 0)), reps)
     return t, recs
 
@@ -92,7 +93,8 @@ def time_stepper(model, stepper, params, micro, reps=2):
 TARGETS = {"q,v": ("attn_q", "attn_v"), "all seven": ALL}
 
 
-def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=tuple(TARGETS)):
+def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=tuple(TARGETS), steps=0,
+              lr=1e-4):
     T = min(T, model.cfg.context_length)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
@@ -112,7 +114,8 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
             _free(model, st.fn, st.fn_packed)
             continue
         try:
-            t, recs = time_stepper(model, st, params, [(ids, labels)], reps=2 if B * T <= 2048 else 1)
+            t, recs = time_stepper(model, st, params, [(ids, labels)], reps=steps or (2 if B * T <= 2048 else 1),
+                                   lr=lr)
         except DeviceMemoryError as e:             # said as a row: the other cases still run
             rows.append({"case": case, "error": f"does not fit: {e}"})
             _free(model, st.fn, st.fn_packed)
@@ -121,7 +124,8 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
         prog_bytes = sum(b.nbytes for b in {id(b): b for b in prog.bufs.values()}.values())
         plan_bytes = planned["total"] - planned["staging"]
         rows.append({"case": case, "trainable": sum(p.size for p in params), "step_s": t, "tokens_per_s": B * T / t,
-                     "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"], "program_bytes": prog_bytes,
+                     "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
+                     "losses": " ".join(f"{r['loss']:.4f}" for r in recs), "program_bytes": prog_bytes,
                      "plan_bytes": plan_bytes, "plan_vs_program": plan_bytes / prog_bytes,
                      "device_peak_bytes": dev.peak_bytes})
         prog.release()
@@ -236,7 +240,7 @@ def parse_targets(targets: str) -> tuple[str, ...]:
 
 
 def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False, shape="4x256",
-                targets="qv,all"):
+                targets="qv,all", steps=0, lr=1e-4):
     """The rows of `vkdsl bench train`; plan_only: each SFT case's planned device bytes (weights, the
     step program's inputs, outputs, temporaries after reuse, staging), nothing run or allocated."""
     TrainConfig(checkpoint=checkpoint).validate()          # a bad value is one line before any work
@@ -248,8 +252,8 @@ def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False, 
     if plan_only:
         return bench_sft(model, None, B, T, checkpoint, plan_only=True, targets=picked)
     w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()} if T <= 512 else None
-    rows = bench_sft(model, w, B, T, checkpoint, targets=picked)
-    if path or checkpoint != "none" or (B, T) != (4, 256) or picked != tuple(TARGETS):
+    rows = bench_sft(model, w, B, T, checkpoint, targets=picked, steps=steps, lr=lr)
+    if path or checkpoint != "none" or (B, T) != (4, 256) or picked != tuple(TARGETS) or steps:
         return rows                     # the default job: its own model, settings and shapes
     del model
     gc.collect()
