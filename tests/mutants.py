@@ -97,7 +97,7 @@ MUTANTS = [
            ("tests/test_packing.py",), "the fused forward lets a packed row attend to the rows before it"),
     Mutant("packed_keys_feed_later_rows", "vkdsl/kernels/attention_backward.comp",
            "jj[c] <= i + off) && i < hi[c] && add", "jj[c] <= i + off) && add",
-           ("tests/test_packing.py",), "the fused dk/dv sum over queries of later packed rows"),
+           ("tests/test_packing.py", "tests/test_attention.py"), "the fused dk/dv sum over queries of later packed rows"),
     Mutant("fused_attention_backward_drops_delta", "vkdsl/kernels/attention_backward.comp",
            "const float ds = p * (hsum(pa) - st.y);", "const float ds = p * hsum(pa);",
            ("tests/test_verify_cases.py", "-k", "attention"),

@@ -132,3 +132,39 @@ def test_training_through_it_keeps_no_t_by_t_tensor(dev, rng):
     biggest = lambda prog: max(b.nbytes for b in prog.bufs.values())      # noqa: E731
     assert biggest(program(A.attention_composed)) >= B * Hq * T * T * 4        # the test can fail
     assert biggest(program(A.attention)) < T * T * 4
+
+
+def spans_of(lengths, T):
+    """(1, T, 2) int32 row spans of rows of these lengths packed from 0; the rest padding rows of one."""
+    span = np.stack([np.arange(T), np.arange(T) + 1], -1)
+    at = 0
+    for n in lengths:
+        span[at:at + n] = (at, at + n)
+        at += n
+    return span[None].astype(np.int32)
+
+
+@pytest.mark.parametrize("T,lengths", [(300, [70, 130, 25, 55]), (2048, [900, 600, 400, 100])],
+                         ids=["300", "2048"])
+def test_packed_rows_by_span_match_float64_and_finite_differences(dev, rng, T, lengths):
+    """Rows packed into one long sequence (fused attention with row spans): forward and gradients
+    against float64 with the rows' block-diagonal mask, and the gradient along a random direction
+    against central differences of that float64 forward (a small width: 2 query heads, D = 8)."""
+    B, Hq, Hkv, D = 1, 2, 1, 8
+    q, k, v, g = f32(rng, B, T, Hq, D), f32(rng, B, T, Hkv, D), f32(rng, B, T, Hkv, D), f32(rng, B, T, Hq, D)
+    spans = spans_of(lengths, T)
+    mask = np.where(np.arange(T)[None, None, :] >= spans[:, :, :1], 0.0, -np.inf)      # + causal: the row
+    Q, K, V = (vkdsl.tensor(a, requires_grad=True) for a in (q, k, v))
+    out = A.attention(Q, K, V, spans=vkdsl.tensor(spans))
+    grads = [x.numpy() for x in grad((out * vkdsl.tensor(g)).sum(), [Q, K, V])]
+    assert nmse(out.numpy(), reference(q, k, v, mask)) < LIMIT
+    for name, got, want in zip("qkv", grads, reference_grads(q, k, v, g, mask)):
+        assert nmse(got, want) < LIMIT, f"d{name}: nmse {nmse(got, want):.2e}"
+    eps = 1e-4
+    for i, a in enumerate((q, k, v)):
+        d = rng.standard_normal(a.shape)
+        args = [x.astype(np.float64) for x in (q, k, v)]
+        plus, minus = list(args), list(args)
+        plus[i], minus[i] = args[i] + eps * d, args[i] - eps * d
+        fd = ((reference(*plus, mask) - reference(*minus, mask)) * g).sum() / (2 * eps)
+        assert (grads[i] * d).sum() == pytest.approx(fd, rel=1e-4)
