@@ -312,3 +312,10 @@ class WindowSampler(Sampler):
         probe = WindowSampler(self.ex, 1, 0, self.window)
         probe._refill()
         return sum(lens) / (len(probe.queue) * self.window)
+
+
+def sampler(rows, per_step, cfg) -> Sampler:
+    """The SFT order: per_step rows a step, or with cfg.window as many packed windows."""
+    if cfg.window:
+        return WindowSampler(rows, per_step, cfg.data_seed, cfg.window)
+    return Sampler(rows, per_step, cfg.data_seed)

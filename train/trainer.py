@@ -16,7 +16,7 @@ from vkdsl.ops.losses import check_labels
 from vkdsl.precision import current as matmul_precision_now
 
 from . import checkpoint, evidence, loop, memplan
-from .data import IGNORE, DataError, Sampler, WindowSampler, check_batches, collate, load_examples, load_passages
+from .data import IGNORE, DataError, check_batches, collate, load_examples, load_passages, sampler
 from .distributed import Single
 from .heldout import Heldout
 from .loop import TrainingStopped  # noqa: F401  (re-exported: the CLI's user error)
@@ -90,7 +90,7 @@ class Run:
         cache = reuse.stepper.base_cache if reuse is not None and reuse.prefix is self.prefix else None
         self.stepper = Stepper(self.model, self.params, cfg, self.prefix, base_cache=cache)
         self.rows_per_step = cfg.batch_size * cfg.grad_accum * self.group.size
-        self.sampler = self.new_sampler()
+        self.sampler = sampler(self.train, self.rows_per_step, self.cfg)
         if cfg.window:
             self.stepper.head_rows = memplan.head_rows(self.train, cfg)
             self.r.say(f"packing: {len(self.train)} rows first-fit into windows of {cfg.window} tokens, "
@@ -130,12 +130,6 @@ class Run:
                    f"B, which starts at 0; A moves from step 2 on")
 
     # ---- batches ----
-    def new_sampler(self):
-        """The SFT order: rows_per_step rows a step, or with cfg.window as many packed windows."""
-        if self.cfg.window:
-            return WindowSampler(self.train, self.rows_per_step, self.cfg.data_seed, self.cfg.window)
-        return Sampler(self.train, self.rows_per_step, self.cfg.data_seed)
-
     def micro_batches(self, idx):
         """idx: the step's rows (or windows: lists of rows) -> batch_size rows (windows) per micro-batch."""
         bs = self.cfg.batch_size
@@ -258,7 +252,7 @@ class Run:
             if p.shape != a.shape:
                 raise checkpoint.CheckpointError(f"{path}: an adapter tensor of shape {a.shape}, the model's is "
                                                  f"{p.shape}")
-        checkpoint.check_order(path, meta, self.new_sampler(),
+        checkpoint.check_order(path, meta, sampler(self.train, self.rows_per_step, self.cfg),
                                f"data_seed {self.cfg.data_seed}, {self.rows_per_step} {'windows' if self.cfg.window else 'rows'} "
                                f"per step "
                                f"(batch_size x grad_accum x processes) over this training file")
