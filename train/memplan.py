@@ -129,6 +129,13 @@ def alternatives(cfg):
             if (ck, b, e) != (cfg.checkpoint, cfg.batch_size, cfg.eval_batch)]
 
 
+def peak_line(p) -> str:
+    """The device's peak allocation so far against the plan (said after the SFT stage)."""
+    peak = default_device().peak_bytes
+    return (f"device memory: peak {peak / MiB:.1f} MiB, planned {p['total'] / MiB:.1f} MiB "
+            f"({peak / p['total']:.2f}x the plan)")
+
+
 def check(r, say) -> dict:
     """Plan the run; refuse it in one line when it exceeds the budget, naming settings that fit."""
     p = plan(r)

@@ -84,3 +84,13 @@ class Packing:
         """Tokens computed, real and supervised, packed and as padded rows would have been."""
         return {"computed": self.n_seq * self.T, "computed_unpacked": len(self.place) * self.T,
                 "real": int(self.lengths.sum()), "supervised": int((labels != IGNORE).sum())}
+
+
+def efficiency_line(tk: dict, pack: bool) -> str:
+    """What a run says of its SFT positions: computed, real, supervised, and how many micro-batches
+    packed rows together (tk: the Run's token counts)."""
+    return (f"SFT token efficiency: {tk['computed']:,} positions computed, {tk['real']:,} real "
+            f"({100 * tk['real'] / tk['computed']:.0f}%; the rest is padding), {tk['supervised']:,} supervised "
+            f"({100 * tk['supervised'] / tk['computed']:.1f}%); "
+            + (f"{tk['packed']} of {tk['micro']} micro-batches packed several rows into a sequence"
+               if pack else "packing off"))

@@ -21,6 +21,7 @@ from .distributed import Single
 from .heldout import Heldout
 from .loop import TrainingStopped  # noqa: F401  (re-exported: the CLI's user error)
 from .inject import count_report, inject, params_of
+from .packing import efficiency_line
 from .prefix import FrozenPrefix, first_adapted_layer
 from .progress import Records, Reporter
 from .schedule import checkpoints as lr_points, sft_lr
@@ -352,7 +353,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
     if not resume:
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
     r = Run(cfg, run_dir, rep, reuse, files, group)
-    memplan.check(r, rep.say)
+    plan = memplan.check(r, rep.say)
     if plan_only:
         return r
     r.preflight()
@@ -372,13 +373,9 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
     t0 = time.perf_counter()
     finished = True if cfg.objective == "dpo" else r.train_loop(stop_after, at_step)
     r.train_seconds = time.perf_counter() - t0
-    tk = r.tokens
-    if tk["computed"]:
-        rep.say(f"SFT token efficiency: {tk['computed']:,} positions computed, {tk['real']:,} real "
-                f"({100 * tk['real'] / tk['computed']:.0f}%; the rest is padding), {tk['supervised']:,} supervised "
-                f"({100 * tk['supervised'] / tk['computed']:.1f}%); "
-                + (f"{tk['packed']} of {tk['micro']} micro-batches packed several rows into a sequence"
-                   if cfg.pack else "packing off"))
+    if r.tokens["computed"]:
+        rep.say(efficiency_line(r.tokens, cfg.pack))
+        rep.say(memplan.peak_line(plan))
     if finished and cfg.checkpoint_every and r.step % cfg.checkpoint_every:
         r.save()
     r.final, r.gates = None, []
