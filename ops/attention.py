@@ -186,9 +186,10 @@ def builtin_variants(dev) -> list[str]:
     return names
 
 
-def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5):
+def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5, composed=True):
     """Seconds of one forward + backward (dq, dk, dv) of causal attention, fused and composed, each
-    the best of `reps` replays of its own traced program, alternating so both see the same load."""
+    the best of `reps` replays of its own traced program, alternating so both see the same load
+    (composed=False: the fused kernels alone, for lengths whose T x T scores would not fit)."""
     import time
 
     import numpy as np
@@ -198,7 +199,7 @@ def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5):
     arrays = [rng.standard_normal(s, dtype=np.float32) for s in ((B, T, Hq, D), (B, T, Hkv, D), (B, T, Hkv, D))]
     g = rng.standard_normal((B, T, Hq, D), dtype=np.float32)
     steps = {}
-    for name, fn in (("fused", attention), ("composed", attention_composed)):
+    for name, fn in (("fused", attention), ("composed", attention_composed))[:2 if composed else 1]:
         q, k, v = (vkdsl.tensor(a, requires_grad=True) for a in arrays)
 
         @vkdsl.trace
@@ -216,9 +217,12 @@ def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5):
 
 
 if __name__ == "__main__":
-    # python -m vkdsl.ops.attention [B T Hq Hkv D]
+    # python -m vkdsl.ops.attention [B T Hq Hkv D] [--fused-only]
     import sys
-    dims = [int(a) for a in sys.argv[1:6]] or [4, 256, 9, 3, 64]
-    best = bench(*dims)
-    print(f"attention forward + backward {dims}: fused {best['fused']:.3f} s, composed {best['composed']:.3f} s, "
-          f"ratio {best['composed'] / best['fused']:.2f}")
+    dims = [int(a) for a in sys.argv[1:6] if a.isdigit()] or [4, 256, 9, 3, 64]
+    both = "--fused-only" not in sys.argv
+    best = bench(*dims, reps=5 if both else 2, composed=both)
+    B, T, Hq, Hkv, D = dims
+    rate = 4.5 * 4 * B * Hq * T * T / 2 * D / best["fused"] / 1e9     # forward 1x, backward 3.5x its flops
+    print(f"attention forward + backward {dims}: fused {best['fused']:.3f} s (~{rate:.1f} GFLOP/s)"
+          + (f", composed {best['composed']:.3f} s, ratio {best['composed'] / best['fused']:.2f}" if both else ""))

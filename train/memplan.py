@@ -82,8 +82,9 @@ def plan(r, cfg=None) -> dict:
     cfg = cfg or r.cfg
     m = r.model
     parts = {"weights": m.device_bytes()["device_bytes"],
-             "adapters": sum(p.size * 4 for p in r.params),
-             "sft step": step_bytes(r, cfg)}
+             "adapters": sum(p.size * 4 for p in r.params)}
+    if cfg.objective != "dpo":                     # a DPO-only run builds no SFT step
+        parts["sft step"] = step_bytes(r, cfg)
     B, T = _largest(cfg, r.train)
     if r.prefix.start:
         parts["frozen prefix"] = r.prefix.fn.plan(np.zeros((B, T), np.int32))["total"]

@@ -31,7 +31,7 @@ def select(labels: np.ndarray, bucket: int = 16, size: int = 0):
     of `bucket` (or to `size` when they fit it) with position 0 / label -100 (ignored)."""
     flat = labels.reshape(-1)
     pos = np.flatnonzero(flat != IGNORE).astype(np.int32)
-    S = size if len(pos) <= size else max(bucket, -(-len(pos) // bucket) * bucket)
+    S = size if 0 < size and len(pos) <= size else max(bucket, -(-len(pos) // bucket) * bucket)
     p = np.zeros(S, np.int32)
     lab = np.full(S, IGNORE, np.int32)
     p[:len(pos)], lab[:len(pos)] = pos, flat[pos]
