@@ -269,7 +269,7 @@ def test_vkdsl_train_at_fp16_says_which_kernel_and_verifies_the_fp16_rows(tmp_pa
     from vkdsl.cli.verify import load_op_rows
     from vkdsl.verify import verify
     load_op_rows()
-    rows = len(verify(at16, repeat_warm=False)[0])
+    rows = len(verify(verify_cases("fp16", 64), repeat_warm=False)[0])      # the run's rows are 64 tokens
     assert f"verify: {rows}/{rows} kernel checks pass" in text             # the fp16 rows among them
     assert json.loads((out / "config.json").read_text())["precision"] == "fp16"
     p = subprocess.run([os.path.join(BIN, "vkdsl-train"), "--precision", "fp16", "--profile", "minimal",
