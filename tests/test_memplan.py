@@ -106,3 +106,10 @@ def test_a_window_run_killed_after_step_3_resumes_to_the_same_adapter(setup, tmp
     for a, b in zip(full.params, resumed.params):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert full.last_loss < full.first_loss
+
+
+def test_a_window_micro_batch_always_has_batch_size_sequences(setup):
+    """Rows that would fit one sequence still make batch_size windows: one program shape."""
+    r = window_run(setup)
+    pk = r.stepper.packing([10, 12], 16)
+    assert (pk.n_seq, pk.T) == (2, 64) and pk.place == [(0, 0), (0, 10)]
