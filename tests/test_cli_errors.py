@@ -76,3 +76,10 @@ def test_a_damaged_run_config_names_the_file(tmp_path, capsys):
     assert main(["--resume", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert f"{tmp_path / 'config.json'}: not the run's settings as JSON" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,want", [(["--shape", "4by256"], "--shape '4by256': expected ROWSxTOKENS"),
+                                       (["--targets", "qk"], "--targets 'qk': expected qv, all or qv,all")])
+def test_bench_train_shape_and_targets_are_one_line_errors(args, want):
+    p = vkdsl(["bench", "train", "--plan", *args])
+    assert p.returncode != 0 and want in p.stderr and "Traceback" not in p.stderr

@@ -12,7 +12,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import click
 import numpy as np
 
 from vkdsl.models import load_model_files
@@ -227,7 +226,7 @@ def parse_shape(shape: str) -> tuple[int, int]:
     """'BxT' -> (B, T), both positive, or one line naming what was expected."""
     b, sep, t = shape.lower().partition("x")
     if not (sep and b.isdigit() and t.isdigit() and int(b) > 0 and int(t) > 0):
-        raise click.BadParameter(f"--shape {shape!r}: expected ROWSxTOKENS, e.g. 4x256 or 1x4096")
+        raise ValueError(f"--shape {shape!r}: expected ROWSxTOKENS, e.g. 4x256 or 1x4096")
     return int(b), int(t)
 
 
@@ -235,7 +234,7 @@ def parse_targets(targets: str) -> tuple[str, ...]:
     names = {"qv": "q,v", "all": "all seven"}
     picked = tuple(names.get(t.strip()) for t in targets.split(","))
     if None in picked:
-        raise click.BadParameter(f"--targets {targets!r}: expected qv, all or qv,all")
+        raise ValueError(f"--targets {targets!r}: expected qv, all or qv,all")
     return picked
 
 
