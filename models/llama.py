@@ -9,7 +9,6 @@ base distribution comes from the same weights in the same step."""
 from __future__ import annotations
 
 import itertools
-import math
 from collections import Counter
 from pathlib import Path
 

@@ -218,8 +218,8 @@ class Stepper:
         self.base_cache = None
         if cfg.tmkl > 0 and budget > 0:
             self.base_cache = base_cache if base_cache is not None else BaseLogitCache(model, budget, prefix.start)
-        # window mode: every micro-batch is batch_size windows with every position a head row, so one
-        # program (a shape each) serves every step and its memory is planned exactly (train.memplan)
+        # window mode: every micro-batch is batch_size windows and head_rows head rows (a bound from
+        # the data, set by the run), so one program serves every step and is planned exactly (memplan)
         self.window = getattr(cfg, "window", 0)
         self.head_rows = 0          # window mode: supervised positions of the largest micro-batch (memplan)
         if self.window:

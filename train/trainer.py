@@ -254,8 +254,8 @@ class Run:
                 raise checkpoint.CheckpointError(f"{path}: an adapter tensor of shape {a.shape}, the model's is "
                                                  f"{p.shape}")
         checkpoint.check_order(path, meta, sampler(self.train, self.rows_per_step, self.cfg),
-                               f"data_seed {self.cfg.data_seed}, {self.rows_per_step} {'windows' if self.cfg.window else 'rows'} "
-                               f"per step "
+                               f"data_seed {self.cfg.data_seed}, {self.rows_per_step} "
+                               f"{'windows' if self.cfg.window else 'rows'} per step "
                                f"(batch_size x grad_accum x processes) over this training file")
         import vkdsl
         for p, a in zip(self.params, params):
