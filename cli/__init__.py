@@ -21,7 +21,7 @@ def main():
 
 main.add_command(_devices.devices)
 main.add_command(_doctor.doctor)
-for _cmd in (_verify.verify, _verify.compile_, _verify.demo):
+for _cmd in (_verify.verify, _verify.golden, _verify.compile_, _verify.demo):
     main.add_command(_cmd)
 main.add_command(_bench.bench)
 for _name in _models.COMMANDS:

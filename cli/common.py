@@ -1,5 +1,5 @@
-"""What every command group shares: the device option, opening the device, golden loading,
-printing result rows, and the model option."""
+"""What every command group shares: the device option, opening the device, printing result rows,
+and the model option."""
 from __future__ import annotations
 
 import json
@@ -73,15 +73,6 @@ def open_device(device, announce=True):
     try:
         return open_(device, announce=announce)
     except DeviceNotFound as e:
-        raise click.ClickException(str(e))
-
-
-def golden_cases(match=None, version: int = 1, root=None):
-    """(manifest entry, sha256-checked arrays) for every stored golden case whose name contains match."""
-    from vkdsl_golden import store
-    try:
-        return [(c, store.load_case(c)) for c in store.iter_cases(version, root=root, match=match)]
-    except store.GoldenError as e:
         raise click.ClickException(str(e))
 
 

@@ -20,7 +20,7 @@ import click
 
 from vkdsl.train import config as C
 
-from .common import GATE_FAILED, USER_ERRORS, _set_profile, golden_cases, open_device, user_error_line
+from .common import GATE_FAILED, USER_ERRORS, _set_profile, open_device, user_error_line
 
 TYPES = {bool: None, int: click.INT, float: click.FLOAT, str: click.STRING, list: click.STRING}
 VERIFY_MATCH = ("matmul", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu", "cross", "tmkl", "lora")
@@ -46,17 +46,17 @@ FP16_ROWS = ("matmul_f16in", "qmatmul_f16in")
 def verify_cases(precision: str, tokens: int = 1 << 30) -> list:
     """The golden cases of the kernels a run uses: the fp16 matmul rows only at precision fp16, the
     attention rows no longer than the run's sequences (`tokens`)."""
-    def used(case, arrays):
-        if case["op"] == "attention":
-            return arrays[case["inputs"][0]].shape[0] <= max(tokens, 512)
-        return precision == "fp16" or case["op"] not in FP16_ROWS
-    return [c for m in VERIFY_MATCH for c in golden_cases(m) if used(*c)]
+    from .verify import case_pairs
+
+    def used(case, arrays, note):
+        if case.op == "attention":
+            return arrays["in0"].shape[0] <= max(tokens, 512)
+        return precision == "fp16" or case.op not in FP16_ROWS
+    return [c for m in VERIFY_MATCH for c in case_pairs(match=m) if used(*c)]
 
 
 def _verify(rep, precision, tokens):
-    from vkdsl.verify import verify
-    from .verify import load_op_rows
-    load_op_rows()
+    from vkdsl.cases import verify
     t0 = time.perf_counter()
     cases = verify_cases(precision, tokens)
     rows = verify(cases, repeat_warm=False)[0]

@@ -8,7 +8,7 @@ import time
 import click
 import numpy as np
 
-from .common import GATE_FAILED, device_option, golden_cases, json_option, open_device
+from .common import GATE_FAILED, device_option, json_option, open_device
 
 
 def load_op_rows():
@@ -16,46 +16,108 @@ def load_op_rows():
     import vkdsl.ops  # noqa: F401
 
 
-def run_verify(match=None, root=None, repeat_warm=True):
-    """(rows, timings) of every golden case whose name contains match, core and op library."""
-    from vkdsl.verify import verify
+def case_pairs(spec="builtin", match=None, root=None) -> list:
+    """(case, arrays, stale note) of every case of spec whose name contains match: against the goldens
+    in root (the installed ones for the built-in cases), else the float64 references computed here."""
+    from vkdsl import cases as C
     load_op_rows()
-    return verify(golden_cases(match, root=root), repeat_warm=repeat_warm)
+    picked = [c for c in C.load(spec) if match is None or match in c.name]
+    if root is None and spec != C.BUILTIN:
+        return C.with_references(picked)
+    return C.with_goldens(picked, root)
+
+
+def run_verify(match=None, root=None, repeat_warm=True, spec="builtin"):
+    """(rows, timings) of every case of spec whose name contains match."""
+    from vkdsl.cases import verify
+    return verify(case_pairs(spec, match, root), repeat_warm=repeat_warm)
+
+
+def _given(name) -> bool:
+    from click.core import ParameterSource
+    return click.get_current_context().get_parameter_source(name) == ParameterSource.COMMANDLINE
 
 
 @click.command()
 @device_option
 @json_option
+@click.option("--cases", "spec", default="builtin", metavar="FILE",
+              help="a Python file of vkdsl.cases.Case (its CASES list), or 'builtin': vkdsl's own rows (default)")
 @click.option("--match", default=None, help="only cases whose name contains this text")
 @click.option("--golden", "root", default=None, type=click.Path(file_okay=False),
-              help="folder holding v1/ (default: the goldens installed with vkdsl)")
-def verify(device, as_json, match, root):
-    """Run every built-in kernel on the device against the golden outputs."""
-    open_device(device, announce=not as_json)
-    rows, times = run_verify(match, root)
-    failed = [r for r in rows if not r.passed]
-    skipped = [r for r in rows if not r.applicable]
-    if as_json:
-        for r in rows:
-            click.echo(json.dumps(r.as_dict()))
-        click.echo(json.dumps({"summary": True, "rows": len(rows), "failed": len(failed),
-                               "not_applicable": len(skipped), **times}))
+              help="folder holding v1/ (vkdsl golden make): check against these stored outputs (default: the "
+                   "goldens installed with vkdsl for builtin, the float64 references computed here for a file)")
+@click.option("--all-devices", is_flag=True, help="every Vulkan device present, each in its own process")
+@click.option("--all-profiles", is_flag=True, help="the device as it is and as each capability profile")
+@click.option("--junit", "junit", default=None, type=click.Path(dir_okay=False),
+              help="also write JUnit XML here: one test case per row per device and profile")
+def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit):
+    """Check kernels on the device against float64 references: vkdsl's own, or your cases (--cases)."""
+    from vkdsl.fileio import atomic_write
+    from .verify_report import Target, junit_xml, print_matrix, print_table, run_targets
+    if all_devices and device is not None:
+        raise click.UsageError("--device and --all-devices: give one")
+    if all_profiles and _given("profile"):
+        raise click.UsageError("--profile and --all-profiles: give one")
+    if all_devices or all_profiles:
+        from vkdsl.runtime.device import list_devices, select
+        from vkdsl.runtime.profiles import PROFILES
+        one = select(device)
+        devs = ([(str(d.index), f"[{d.index}] {d.name}") for d in list_devices()] if all_devices
+                else [(device, f"[{one.index}] {one.name}")])
+        profs = [("none", "as it is")] + [(p, f"profile {p}") for p in PROFILES] if all_profiles else [(None, "")]
+        targets = [Target(" / ".join(x for x in (dl, pl) if x), d, p) for d, dl in devs for p, pl in profs]
+        shared = ["--cases", spec] + (["--match", match] if match else []) + (["--golden", root] if root else [])
+        run_targets(targets, shared)
+        if as_json:
+            for t in targets:
+                for r in t.rows:
+                    click.echo(json.dumps({"target": t.label, **r.as_dict()}))
+                click.echo(json.dumps({"summary": True, "target": t.label, "error": t.error or None,
+                                       "rows": len(t.rows), "failed": sum(not r.passed for r in t.rows)}))
+        else:
+            print_matrix(targets)
+        failed = any(t.error or not t.rows or any(not r.passed for r in t.rows) for t in targets)
     else:
-        w = max([len(r.name) for r in rows] + [4])
-        click.echo(f"{'case':<{w}}  {'shape':>14}  {'nmse':>9}  {'limit':>9}  result")
-        for r in rows:
-            result = "pass" if r.passed else "FAIL " + r.note
-            click.echo(f"{r.name:<{w}}  {r.shape:>14}  {r.error:9.2e}  {r.limit:9.1e}  {result}" if r.applicable else
-                       f"{r.name:<{w}}  {'':>14}  {'':>9}  {r.limit:9.1e}  n/a: {r.note}")
-        ran = len(rows) - len(skipped)
-        click.echo(f"{ran - len(failed)}/{ran} rows passed"
-                   + (f", {len(skipped)} not applicable on this device ({_why(skipped)})" if skipped else "")
-                   + f"; cold {times['cold_s']:.2f} s (compiles and builds pipelines), warm {times['warm_s']:.2f} s")
-    sys.exit(1 if failed or not rows else 0)
+        dev = open_device(device, announce=not as_json)
+        rows, times = run_verify(match, root, spec=spec)
+        from vkdsl.runtime.profiles import named
+        prof = named()
+        targets = [Target(f"[{dev.info.index}] {dev.info.name}" + (f" / profile {prof.name}" if prof else ""),
+                          rows=rows, times=times)]
+        if as_json:
+            for r in rows:
+                click.echo(json.dumps(r.as_dict()))
+            click.echo(json.dumps({"summary": True, "rows": len(rows), "failed": sum(not r.passed for r in rows),
+                                   "not_applicable": sum(not r.applicable for r in rows), **times}))
+        else:
+            print_table(rows, times)
+        failed = not rows or any(not r.passed for r in rows)
+    if junit:
+        atomic_write(junit, junit_xml(targets))
+        if not as_json:
+            click.echo(f"JUnit XML: {junit}")
+    sys.exit(1 if failed else 0)
 
 
-def _why(rows) -> str:
-    return "; ".join(f"{op}: {note}" for op, note in dict.fromkeys((r.op, r.note) for r in rows))
+@click.group()
+def golden():
+    """Goldens of your own cases: inputs and float64 outputs stored, checked without the reference."""
+
+
+@golden.command("make")
+@click.option("--cases", "spec", required=True, metavar="FILE", help="a Python file of vkdsl.cases.Case")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="folder to write v1/ into")
+@click.option("--match", default=None, help="only cases whose name contains this text")
+def golden_make(spec, out, match):
+    """Store each case's inputs and float64 reference outputs (sha256 manifest, vkdsl's golden format)."""
+    from vkdsl import cases as C
+    picked = [c for c in C.load(spec) if match is None or match in c.name]
+    if not picked:
+        raise click.ClickException(f"{spec}: no case matches {match!r}")
+    man = C.make_goldens(picked, out)
+    click.echo(f"wrote {len(man['cases'])} goldens to {out}/v1; check them with: vkdsl verify --cases {spec} "
+               f"--golden {out}")
 
 
 @click.command("compile")

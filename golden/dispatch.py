@@ -134,9 +134,12 @@ PHASE2: dict[str, Callable] = {
     "qmatmul_f16in": lambda ins, p, g: {"out": Q.qmatmul_f16in(ins[0], ins[1], p["fmt"], p["shape"], p["form"])},
 }
 
-# ops whose cases carry an upstream gradient "gout" (same shape as "out")
-BACKWARD_OPS = frozenset({"cross_entropy", "lora_linear", "rmsnorm", "rope", "silu", "swiglu",
-                          "attention", "kl", "tmkl", "dpo"})
+# ops whose cases carry an upstream gradient "gout" (same shape as "out"), and the inputs each
+# one's gradients are of (evaluate checks that it returns exactly those)
+GRAD_INPUTS = {"cross_entropy": (0,), "lora_linear": (0, 1, 2, 3), "rmsnorm": (0, 1), "rope": (0,),
+               "silu": (0,), "swiglu": (0, 1), "attention": (0, 1, 2), "kl": (0, 1), "tmkl": (0, 1),
+               "dpo": (0, 1, 2, 3)}
+BACKWARD_OPS = frozenset(GRAD_INPUTS)
 
 OPS: dict[str, Callable] = {**PHASE1, **PHASE2}
 
@@ -151,4 +154,7 @@ def evaluate(op: str, inputs: Sequence[np.ndarray], params: dict,
     res = {k: np.asarray(v) for k, v in OPS[op](list(inputs), params, gout).items()}
     if gout is not None and np.shape(gout) != res["out"].shape:
         raise ValueError(f"gout shape {np.shape(gout)} differs from out shape {res['out'].shape}")
+    grads = tuple(sorted(int(k[len("grad_in"):]) for k in res if k.startswith("grad_in")))
+    if grads != GRAD_INPUTS.get(op, ()):
+        raise ValueError(f"op {op!r} returned gradients of inputs {grads}, GRAD_INPUTS says {GRAD_INPUTS.get(op)}")
     return res

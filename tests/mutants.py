@@ -218,6 +218,17 @@ MUTANTS = [
            "Jw = custom(_After(), [J, y, *aux], J.shape, requires_grad=False)", "Jw = J",
            ("tests/test_checkpointing.py", "-k", "chunked_head"),
            "a head chunk's logits held until a later reader of its loss rows"),
+    Mutant("gelu_example_cube_squared", "examples/verify_gelu_mlp.py", "h * h * h * 0.044715", "h * h * 0.044715",
+           ("tests/test_user_cases.py", "-k", "four_profiles and dsl"), "the DSL example's GELU cubic term squared"),
+    Mutant("layernorm_example_unbiased_variance", "examples/verify_layernorm.py", "row_sum(q) / float(cols) + eps",
+           "row_sum(q) / float(cols - 1) + eps", ("tests/test_user_cases.py", "-k", "four_profiles and glsl"),
+           "the GLSL example's layer norm divides the centred squares by n - 1"),
+    Mutant("case_gradient_step_doubled", "vkdsl/cases.py", "g.flat[j] = (up - down) / (2 * h)",
+           "g.flat[j] = (up - down) / h", ("tests/test_user_cases.py", "-k", "closed_form"),
+           "central differences of a case's reference twice the gradient"),
+    Mutant("stale_golden_accepted", "vkdsl/cases.py", 'return "stale golden: its inputs',
+           'return "" if True else "stale golden: its inputs', ("tests/test_user_cases.py", "-k", "goldens_made"),
+           "a golden whose inputs are not the case's generator's checked as if current"),
 ]
 
 

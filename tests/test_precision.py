@@ -255,9 +255,9 @@ def test_vkdsl_train_at_fp16_says_which_kernel_and_verifies_the_fp16_rows(tmp_pa
     from fixtures.train_data import tiny_setup
     from vkdsl.cli.train import main, verify_cases
     fp16_ops = {"matmul_f16in", "qmatmul_f16in"}
-    assert not any(c["op"] in fp16_ops for c, _ in verify_cases("fp32"))
+    assert not any(c.op in fp16_ops for c, _, _ in verify_cases("fp32"))
     at16 = verify_cases("fp16")
-    assert len(at16) == len(verify_cases("fp32")) + 16 and {c["op"] for c, _ in at16} >= fp16_ops
+    assert len(at16) == len(verify_cases("fp32")) + 16 and {c.op for c, _, _ in at16} >= fp16_ops
     tm, tr, he, pr = tiny_setup(tmp_path / "setup")
     out = tmp_path / "run"
     rc = main(["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
@@ -267,7 +267,7 @@ def test_vkdsl_train_at_fp16_says_which_kernel_and_verifies_the_fp16_rows(tmp_pa
     text = capsys.readouterr().out
     assert "precision fp16: matmul variant gpu16, fp16 shared-memory tiles" in text
     from vkdsl.cli.verify import load_op_rows
-    from vkdsl.verify import verify
+    from vkdsl.cases import verify
     load_op_rows()
     rows = len(verify(verify_cases("fp16", 64), repeat_warm=False)[0])      # the run's rows are 64 tokens
     assert f"verify: {rows}/{rows} kernel checks pass" in text             # the fp16 rows among them

@@ -1,13 +1,16 @@
-"""Check every registered kernel on this device against the float64 goldens: one registry of
-builders, one comparison, one run_case (pytest runs each golden case through it too).
+"""Check kernels on this device against float64 references: the registry of vkdsl's own ops
+(each op's device builder, limit and reason; vkdsl.ops.builtin_cases makes them cases), the
+error measures and the result row (vkdsl.cases runs cases; pytest runs each built-in golden case
+through it too).
 
-Error measure: NMSE = sum((y - ref)^2) / sum(ref^2) over the finite reference entries
+Default measure: NMSE = sum((y - ref)^2) / sum(ref^2) over the finite reference entries
 (ggml's test-backend-ops measure), with a per-op limit and the reason for it. Non-finite
 reference entries must be matched exactly (same NaN / same signed infinity); a NaN or Inf
-where the reference is finite fails the row whatever the NMSE."""
+where the reference is finite fails the row whatever the NMSE. A case may measure max_abs
+(largest absolute difference) or ulp (float32 units in the last place) instead."""
 from __future__ import annotations
 
-import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -118,6 +121,39 @@ def nmse(y, ref) -> float:
     return float("inf") if note else err
 
 
+def max_abs(y: np.ndarray, ref: np.ndarray) -> tuple[float, str]:
+    """(largest |y - ref| over finite reference entries, problem or ''): compare()'s checks."""
+    err, note = compare(y, ref)
+    if note:
+        return err, note
+    fin = np.isfinite(ref)
+    d = np.abs(y.astype(np.float64)[fin] - ref.astype(np.float64)[fin])
+    return (float(d.max()) if d.size else 0.0), ""
+
+
+def ulp(y: np.ndarray, ref: np.ndarray) -> tuple[float, str]:
+    """(largest distance in float32 units in the last place between y and the reference rounded to
+    float32, over finite entries; problem or '')."""
+    err, note = compare(y, ref)
+    if note:
+        return err, note
+    fin = np.isfinite(ref)
+
+    def ordered(a):                   # float32 bit patterns as integers in the floats' order
+        i = np.asarray(a, np.float32)[fin].view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF), i)
+    d = np.abs(ordered(y) - ordered(ref.astype(np.float64)))
+    return (float(d.max()) if d.size else 0.0), ""
+
+
+MEASURES = {"nmse": compare, "max_abs": max_abs, "ulp": ulp}
+
+
+def measure(kind: str, y, ref) -> tuple[float, str]:
+    """The error of y against ref in one of MEASURES, and a problem description ('' when none)."""
+    return MEASURES[kind](np.asarray(y), np.asarray(ref))
+
+
 @dataclass
 class Row:
     op: str
@@ -129,62 +165,8 @@ class Row:
     reason: str
     note: str = ""
     applicable: bool = True     # False: the device can not run this op (note says why); not run
+    measure: str = "nmse"
+    seconds: float = 0.0        # the row's share of its case's time on the device
 
     def as_dict(self):
-        return {"op": self.op, "name": self.name, "shape": self.shape, "error": self.error,
-                "limit": self.limit, "passed": self.passed, "reason": self.reason, "note": self.note,
-                "applicable": self.applicable}
-
-
-def run_case(case, arrays) -> list[Row]:
-    from .autograd import grad
-    from .runtime import default_device
-    chk = REGISTRY[case["op"]]
-    why = chk.unsupported(default_device()) if chk.unsupported else ""
-    if why:
-        return [Row(case["op"], case["name"], "", float("nan"), chk.limit, True, chk.reason, why, applicable=False)]
-    wants_grad = {int(k[len("grad_in"):]) for k in case["outputs"] if k.startswith("grad_in")}
-    ins = [Tensor.from_numpy(arrays[n], name=n, requires_grad=i in wants_grad)
-           for i, n in enumerate(case["inputs"])]
-    try:
-        res = chk.build(ins, case["params"])
-        outs = res if isinstance(res, dict) else {"out": res}
-        if wants_grad:     # gradients of sum(out * gout) w.r.t. each differentiable input
-            order = sorted(wants_grad)
-            gs = grad(outs["out"], [ins[i] for i in order], upstream=Tensor.from_numpy(arrays[case["upstream"]]))
-            outs.update({f"grad_in{i}": g for i, g in zip(order, gs)})
-        got = {k: v.numpy() for k, v in outs.items()}
-    except Exception as e:   # a failing kernel is a failed row, not a crashed verify
-        return [Row(case["op"], case["name"], "", float("inf"), chk.limit, False, chk.reason,
-                    f"{type(e).__name__}: {e}")]
-    rows = []
-    for k, y in got.items():
-        ref = arrays[k]
-        err, note = compare(np.asarray(y), ref)
-        shape = "x".join(map(str, ref.shape)) or "scalar"
-        rows.append(Row(case["op"], case["name"] + ("" if k == "out" else f":{k}"), shape, err, chk.limit,
-                        err <= chk.limit and not note, chk.reason, note))
-    return rows
-
-
-def verify(cases, repeat_warm: bool = True):
-    """cases: (manifest entry, arrays) pairs, as vkdsl_golden.store loads them. Returns (rows,
-    timings). A case whose op has no registered builder is a failure: a golden nobody checks is a
-    gap, not a pass."""
-    t0 = time.perf_counter()
-    rows = []
-    for case, arrays in cases:
-        if case["op"] not in REGISTRY:
-            rows.append(Row(case["op"], case["name"], "", float("inf"), 0.0, False, "",
-                            "no device implementation registered for this op"))
-            continue
-        rows.extend(run_case(case, arrays))
-    cold = time.perf_counter() - t0
-    warm = None
-    if repeat_warm:
-        t0 = time.perf_counter()
-        for case, arrays in cases:
-            if case["op"] in REGISTRY:
-                run_case(case, arrays)
-        warm = time.perf_counter() - t0
-    return rows, {"cold_s": cold, "warm_s": warm, "cases": len(cases)}
+        return dataclasses.asdict(self)
