@@ -51,7 +51,8 @@ def _given(name) -> bool:
 @click.option("--all-profiles", is_flag=True, help="the device as it is and as each capability profile")
 @click.option("--junit", "junit", default=None, type=click.Path(dir_okay=False),
               help="also write JUnit XML here: one test case per row per device and profile")
-def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit):
+@click.option("--no-warm", is_flag=True, help="skip the second, warm pass (it only times the cached programs)")
+def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit, no_warm):
     """Check kernels on the device against float64 references: vkdsl's own, or your cases (--cases)."""
     from vkdsl.fileio import atomic_write
     from .verify_report import Target, junit_xml, print_matrix, print_table, run_targets
@@ -67,7 +68,8 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit)
                 else [(device, f"[{one.index}] {one.name}")])
         profs = [("none", "as it is")] + [(p, f"profile {p}") for p in PROFILES] if all_profiles else [(None, "")]
         targets = [Target(" / ".join(x for x in (dl, pl) if x), d, p) for d, dl in devs for p, pl in profs]
-        shared = ["--cases", spec] + (["--match", match] if match else []) + (["--golden", root] if root else [])
+        shared = ["--cases", spec, "--no-warm"] + (["--match", match] if match else []) + \
+            (["--golden", root] if root else [])
         run_targets(targets, shared)
         if as_json:
             for t in targets:
@@ -80,7 +82,7 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit)
         failed = any(t.error or not t.rows or any(not r.passed for r in t.rows) for t in targets)
     else:
         dev = open_device(device, announce=not as_json)
-        rows, times = run_verify(match, root, spec=spec)
+        rows, times = run_verify(match, root, repeat_warm=not no_warm, spec=spec)
         from vkdsl.runtime.profiles import named
         prof = named()
         targets = [Target(f"[{dev.info.index}] {dev.info.name}" + (f" / profile {prof.name}" if prof else ""),

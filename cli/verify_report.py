@@ -45,7 +45,8 @@ def print_table(rows, times):
     why = "; ".join(f"{op}: {note}" for op, note in dict.fromkeys((r.op, r.note) for r in skipped))
     click.echo(f"{ran - len(failed)}/{ran} rows passed"
                + (f", {len(skipped)} not applicable on this device ({why})" if skipped else "")
-               + f"; cold {times['cold_s']:.2f} s (compiles and builds pipelines), warm {times['warm_s']:.2f} s")
+               + f"; cold {times['cold_s']:.2f} s (compiles and builds pipelines)"
+               + (f", warm {times['warm_s']:.2f} s" if times.get("warm_s") is not None else ""))
 
 
 def run_targets(targets: list[Target], argv: list[str]) -> list[Target]:

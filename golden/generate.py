@@ -99,14 +99,18 @@ def manifest_text(man: dict) -> str:
     return (json.dumps(head)[:-1] + ', "cases": [\n ' + ",\n ".join(lines) + "\n]}\n")
 
 
-def generate(root: str | Path | None = None, version: int = VERSION, verbose: bool = False) -> dict:
-    """Write every case and the manifest under <root>/v<version>; remove stale npz files; returns the manifest."""
+def generate(root: str | Path | None = None, version: int = VERSION, verbose: bool = False,
+             match: str | None = None) -> dict:
+    """Write every case (or those whose name contains match) and the manifest under <root>/v<version>;
+    remove stale npz files; returns the manifest."""
     if version != VERSION:
         raise ValueError(f"this generator writes version {VERSION} only")
     folder = data_dir(version, root)
     folder.mkdir(parents=True, exist_ok=True)
     entries, files = [], set()
     for case in all_cases() + fp16_cases():
+        if match is not None and match not in case.name:
+            continue
         entry, arrays = build(case)
         data = npz_bytes(arrays)
         entry["file"] = file_name(case.name)
@@ -132,14 +136,18 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default=str(DATA_ROOT), help="folder holding v<version>/ (default: package data)")
     ap.add_argument("--check", action="store_true",
                     help="regenerate into a temp folder and compare with the stored manifest")
+    ap.add_argument("--match", default=None, help="with --check: only the cases whose name contains this")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.match is not None and not args.check:
+        ap.error("--match goes with --check (a partial generation would drop the other cases' files)")
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
-            new = generate(tmp)
-        old = load_manifest(VERSION, args.root)
-        diff = [c["name"] for c, d in zip(new["cases"], old["cases"]) if c != d]
-        same = len(new["cases"]) == len(old["cases"]) and not diff
+            new = {c["name"]: c for c in generate(tmp, match=args.match)["cases"]}
+        old = {c["name"]: c for c in load_manifest(VERSION, args.root)["cases"]
+               if args.match is None or args.match in c["name"]}
+        diff = sorted(n for n in set(new) | set(old) if new.get(n) != old.get(n))
+        same = bool(new) and not diff
         print("golden data up to date" if same else f"golden data differs: {diff[:20]}")
         return 0 if same else 1
     man = generate(args.root, verbose=args.verbose)

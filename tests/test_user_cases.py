@@ -196,3 +196,19 @@ def test_the_docs_name_the_examples():
     assert "## Verify your own kernel" in text
     for f in (GELU, LAYERNORM):
         assert f"examples/{f.name}" in text
+
+
+def test_a_traced_function_is_a_case_its_program_runs_and_its_body_gives_gradients(tmp_path):
+    f = tmp_path / "traced.py"
+    f.write_text(CASE_HEAD + """import vkdsl
+@vkdsl.trace
+def softplus(x):
+    return ((-x.maximum(0.0) - (x.maximum(0.0) - x)).exp() + 1.0).log() + x.maximum(0.0)
+draw = lambda r: [(r.standard_normal(300) * 10).astype(np.float32)]
+CASES = [Case("softplus[300]", softplus, lambda x: np.logaddexp(0, x), draw, 1e-10, "exp and log of |x| <= 40"),
+         Case("softplus[300,grad]", softplus, lambda x: np.logaddexp(0, x), draw, 1e-10, "as above", grads=(0,))]
+""")
+    p = vkdsl(["verify", "--cases", str(f), "--json"])
+    rows = {r["name"]: r for r in map(json.loads, p.stdout.splitlines()) if "name" in r}
+    assert p.returncode == 0, p.stdout
+    assert set(rows) == {"softplus[300]", "softplus[300,grad]", "softplus[300,grad]:grad_in0"}

@@ -263,7 +263,7 @@ def run(case: Case, arrays: dict, note: str = "", device=None):
     try:
         ins = [Tensor.from_numpy(arrays[f"in{i}"], name=f"in{i}", requires_grad=i in case.grads)
                for i in range(n_in)]
-        res = case.fn(*ins, **case.params)
+        res = _call(case, ins)
         outs = dict(res) if isinstance(res, dict) else {"out": res}
         if case.grads:
             gs = grad(outs["out"], [ins[i] for i in case.grads], upstream=Tensor.from_numpy(arrays["gout"]))
@@ -312,6 +312,19 @@ def verify(pairs, repeat_warm: bool = True):
             run(case, arrays, note)
         warm = time.perf_counter() - t0
     return rows, {"cold_s": cold, "warm_s": warm, "cases": len(pairs)}
+
+
+def _call(case: Case, ins):
+    """fn on the case's inputs: Tensors, or for a vkdsl.trace'd function its arrays (the traced program
+    is what runs). Gradients need the graph, so with grads a traced function's own body is called."""
+    from .trace import Traced
+    fn = case.fn
+    if isinstance(fn, Traced):
+        if not case.grads:
+            res = fn(*[t.numpy() for t in ins], **case.params)
+            return dict(res) if isinstance(res, dict) else res
+        fn = fn.fn
+    return fn(*ins, **case.params)
 
 
 def params_json(case: Case) -> dict:

@@ -172,20 +172,29 @@ def _shas(folder):
 
 
 def test_generator_is_deterministic_and_matches_stored(tmp_path):
-    G.generate(tmp_path / "a")
+    """The generator script, in a fresh process, writes every case byte for byte as the stored files
+    (written by earlier runs: the same bytes across runs and processes, so deterministic)."""
     subprocess.run([sys.executable, str(GOLDEN_DIR / "generate.py"), "--root", str(tmp_path / "b")],
                    check=True, capture_output=True, cwd=tmp_path)
-    a, b, stored = _shas(tmp_path / "a" / "v1"), _shas(tmp_path / "b" / "v1"), _shas(V1)
-    assert a == b, "two runs of the generator differ"
-    diff = sorted(k for k in stored if stored[k] != a.get(k)) + sorted(set(a) - set(stored))
+    b, stored = _shas(tmp_path / "b" / "v1"), _shas(V1)
+    diff = sorted(k for k in stored if stored[k] != b.get(k)) + sorted(set(b) - set(stored))
     assert not diff, ("regenerated files differ from golden/data/v1 (stale data? or a platform "
                       f"whose libm differs in the last float64 bit): {diff[:10]}")
 
 
-def test_module_entry_point_check_mode():
-    r = subprocess.run([sys.executable, "-m", "vkdsl_golden.generate", "--check"],
+def test_module_entry_point_check_mode(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "vkdsl_golden.generate", "--check", "--match", "softmax["],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "up to date" in r.stdout, r.stdout + r.stderr
+    # a stored entry that differs from what the generator makes now is found and named
+    (tmp_path / "v1").mkdir()
+    man = json.loads((V1 / "manifest.json").read_text())
+    hit = next(c for c in man["cases"] if c["name"].startswith("softmax["))
+    hit["sha256"] = "0" * 64
+    (tmp_path / "v1" / "manifest.json").write_text(json.dumps(man))
+    r = subprocess.run([sys.executable, "-m", "vkdsl_golden.generate", "--check", "--match", "softmax[",
+                        "--root", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 1 and f"golden data differs: ['{hit['name']}']" in r.stdout, r.stdout + r.stderr
 
 
 def test_golden_never_imports_vkdsl_core():
@@ -207,12 +216,17 @@ def test_golden_never_imports_vkdsl_core():
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
-def test_every_stored_case_recomputes_from_its_inputs():
-    # the dispatcher the device side will call reproduces each stored output bit for bit
+def test_every_op_recomputes_from_stored_inputs():
+    """The dispatcher the device side calls reproduces stored outputs bit for bit from the stored inputs:
+    each op's first case (every case's bytes are the generator's: test_generator_is_deterministic...)."""
+    seen = set()
     for c in iter_cases():
+        if c["op"] in seen:
+            continue
+        seen.add(c["op"])
         a = load_case(c)
         res = evaluate(c["op"], [a[k] for k in c["inputs"]], c["params"], a.get("gout"))
         assert list(res) == c["outputs"], c["name"]
         for k, v in res.items():
             assert np.array_equal(v, a[k], equal_nan=True), (c["name"], k)
-    assert set(OPS) == PHASE1_OPS | PHASE2_OPS
+    assert seen == set(OPS) == PHASE1_OPS | PHASE2_OPS
