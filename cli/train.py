@@ -204,7 +204,7 @@ def _run(config_path, resume, over, mode="auto", overwrite=False, plan=False) ->
     from vkdsl.trace import BUILT
     r.r.outcome(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training {r.train_seconds:.0f}s; "
             f"{BUILT['programs']} device programs built in {BUILT['seconds']:.0f}s)")
-    return 0 if all(ok for _, ok, _ in r.gates) else GATE_FAILED
+    return 0 if all(g.passed for g in r.gates) else GATE_FAILED
 
 
 def _main(config_path, resume, distributed="auto", overwrite=False, plan=False, **values):

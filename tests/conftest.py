@@ -6,13 +6,22 @@ One helper per kind of check:
 - check_op: a traced op (seeded inputs, sentinel words past every output to catch out-of-bounds
   writes) against its float64 reference, gradients against fd;
 - check_grads: eager autodiff of a composition of ops against fd.
-The tiny model and its data are in tests/fixtures (synthetic.py, train_data.py)."""
+The tiny model and its data are in tests/fixtures (synthetic.py, train_data.py); `tiny_model` is the
+default one (seed 0), built once per session."""
 import math
 
 import numpy as np
 import pytest
 
 GUARD = 256          # bytes of sentinel words past each output
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny random model of tests/fixtures/synthetic.build_tiny (seed 0, tied, Q8_0 GGUF and an HF
+    folder), built once for the session: read it, never write into its folder."""
+    from fixtures.synthetic import build_tiny
+    return build_tiny(tmp_path_factory.mktemp("tiny_model"), seed=0)
 
 
 @pytest.fixture(scope="session")

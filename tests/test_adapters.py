@@ -42,8 +42,8 @@ HF_MOD = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": 
 # ----------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return synthetic.build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from vkdsl.models.llama import Llama, LogitsFn
 from vkdsl.models.generate import Generator
 from vkdsl.ops.lora import LoRA
 from vkdsl.train.step import BaseLogitCache, build_grad_fn, select, split_rows
-from vkdsl.train.evidence import Scorer
+from vkdsl.train.scoring import Scorer
 from vkdsl.train.data import Example
 from vkdsl_golden import llama_ref
 

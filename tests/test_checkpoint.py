@@ -114,10 +114,10 @@ def test_resume_cleans_temps_marks_metrics_and_reuses_base_eval(setup, stopped, 
     out = capsys.readouterr().out
     assert "removed .checkpoint.npz.abc123.tmp" in out
     cached = json.loads((d / "base_eval.json").read_text())
-    assert cached["base"]["pres"] == pytest.approx(first.base["pres"])
+    assert cached["base"]["preservation_loss"] == pytest.approx(first.base.preservation_loss)
     again = run(cfg, d, resume=d)
     assert "base evaluation reused from base_eval.json" in capsys.readouterr().out
-    assert again.base["heldout_loss"] == first.base["heldout_loss"]
+    assert again.base.heldout_loss == first.base.heldout_loss
 
 
 def test_resume_before_the_first_checkpoint_starts_from_step_zero(setup, tmp_path):

@@ -55,8 +55,8 @@ def test_dpo_starts_at_ln2_and_grows_the_margin(setup, tmp_path):
     assert abs(hist[0]["dpo_loss"] - math.log(2)) < 1e-5        # policy == reference (B = 0)
     assert any("ln 2" in s for s in said)
     assert hist[-1]["dpo_loss"] < hist[0]["dpo_loss"]
-    tr = ev["train"]
-    assert tr["margin_improvement"] > 0 and tr["improvement_accuracy"] == 1.0
+    tr = ev.train
+    assert tr.margin_improvement > 0 and tr.improvement_accuracy == 1.0
     # the drifts against the float64 reference forward: the base (the reference: adapter off) and
     # the base with the trained adapter merged in (W + s (A B)^T in GGUF order)
     w0 = ck.dequantized()
@@ -69,9 +69,9 @@ def test_dpo_starts_at_ln2_and_grows_the_margin(setup, tmp_path):
     cfgd = ck.config.to_dict()
     drift = {side: np.mean([seq_logprob(w1, cfgd, getattr(p, side)) - seq_logprob(w0, cfgd, getattr(p, side))
                             for p in pairs]) for side in ("chosen", "rejected")}
-    assert tr["chosen_drift"] == pytest.approx(drift["chosen"], abs=2e-3)
-    assert tr["rejected_drift"] == pytest.approx(drift["rejected"], abs=2e-3)
-    assert tr["margin_improvement"] == pytest.approx(drift["chosen"] - drift["rejected"], abs=4e-3)
+    assert tr.chosen_drift == pytest.approx(drift["chosen"], abs=2e-3)
+    assert tr.rejected_drift == pytest.approx(drift["rejected"], abs=2e-3)
+    assert tr.margin_improvement == pytest.approx(drift["chosen"] - drift["rejected"], abs=4e-3)
     story = dpo.margin_story(tr)
     if drift["chosen"] < 0:
         assert "only because rejected responses fell further" in story

@@ -7,7 +7,7 @@ import unicodedata
 
 import pytest
 
-from fixtures.synthetic import SPECIAL_TOKENS, build_tiny, write_gguf, write_hf
+from fixtures.synthetic import SPECIAL_TOKENS, write_gguf, write_hf
 from vkdsl.models import ModelFileError, Tokenizer, load_gguf
 from vkdsl_golden import llama_ref
 
@@ -24,8 +24,8 @@ STYLE = {"llama-bpe": "llama3", "qwen2": "qwen2"}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tok"), seed=0)
+def tiny(tiny_model):
+    return tiny_model
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])

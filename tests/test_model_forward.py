@@ -13,7 +13,6 @@ import pytest
 
 import vkdsl
 from vkdsl_golden import llama_ref
-from fixtures import synthetic
 from vkdsl.models import load_checkpoint, load_model_files
 from vkdsl.models.default import default_model_path
 from vkdsl.models.generate import Generator
@@ -21,8 +20,8 @@ from vkdsl.models.llama import Llama
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return synthetic.build_tiny(tmp_path_factory.mktemp("tiny"))
+def tiny(tiny_model):
+    return tiny_model
 
 
 def device_logits(model, ids):

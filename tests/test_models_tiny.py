@@ -16,8 +16,8 @@ PROMPT = [1, 5, 100, 200, 7, 290, 42, 260, 2, 13, 77]    # (T=11,) arbitrary ids
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("tiny"), seed=0)
+def tiny(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from vkdsl.models import load_model_files
 from vkdsl.models.llama import Llama
 from vkdsl.train.config import TrainConfig
 from vkdsl.train.data import Example
-from vkdsl.train.evidence import Scorer
+from vkdsl.train.scoring import Scorer
 from vkdsl.train.inject import inject, params_of
 from vkdsl.train.prefix import FrozenPrefix, first_adapted_layer
 from vkdsl.train.step import Stepper

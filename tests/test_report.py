@@ -77,6 +77,25 @@ def test_bad_metrics_line_names_file_and_line(runs, tmp_path):
         build_report(run)
 
 
+@pytest.mark.parametrize("damage", ["cut", "shape"])
+def test_a_half_written_or_misshapen_record_is_one_line_from_vkdsl_report(runs, tmp_path, damage):
+    """summary.json cut short (a write killed outside the atomic path) or holding a record of another
+    shape: `vkdsl report` says so in one line naming the run folder, never a traceback."""
+    from fixtures.cli import vkdsl
+    run = shutil.copytree(runs[0], tmp_path / "copy")
+    text = (run / "summary.json").read_text()
+    if damage == "cut":
+        (run / "summary.json").write_text(text[:len(text) // 2])
+    else:
+        summary = json.loads(text)
+        summary["final"] = ["not", "an", "evaluation"]
+        (run / "summary.json").write_text(json.dumps(summary))
+    p = vkdsl(["report", str(run)])
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    line = p.stderr.strip().splitlines()[-1]
+    assert str(run) in line and ("not JSON" in line if damage == "cut" else "expected a JSON object" in line), line
+
+
 def test_report_renders_in_headless_chromium(runs, tmp_path):
     """A real browser (Debian's chromium, installed by ./setup.sh --test) renders the page."""
     out = build_report(runs[0])

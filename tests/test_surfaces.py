@@ -96,32 +96,32 @@ def greedy_is_label(r, ex, adapters_on):
 def test_format_equals_greedy_generation(fitted):
     r = fitted
     held = r.held
-    got = {on: held.scores(on)["format"] for on in (True, False)}
+    got = {on: held.scores(on).format for on in (True, False)}
     for on in (True, False):
         assert got[on] == [greedy_is_label(r, r.heldout[i], on) for i in range(len(r.heldout))], f"adapters_on={on}"
     if "more" in r.cfg.train_file:                      # right first token, then more than end-of-turn
-        assert not any(got[True]) and r.final["heldout_acc"] > 0.5
+        assert not any(got[True]) and r.final.heldout_acc > 0.5
     else:
         assert any(got[True]) and not all(got[False])   # the fitted adapter answers with labels, the base not
 
 
 def test_final_evidence_carries_every_surface(fitted):
     f = fitted.final
-    assert 0 <= f["calibration"]["ece"] <= 1 and len(f["calibration"]["bins"]) == 10
-    assert f["format_n"] == len(fitted.heldout)
-    assert len(f["format_failures"]) == min(3, round((1 - f["format_valid"]) * f["format_n"]))
+    assert 0 <= f.calibration["ece"] <= 1 and len(f.calibration["bins"]) == 10
+    assert f.format_n == len(fitted.heldout)
+    assert len(f.format_failures) == min(3, round((1 - f.format_valid) * f.format_n))
     # per-category accuracy recomputed from the decisions and the rows' own labels
     labels = [x.strip() for x in fitted.cfg.labels]
     rows = list(fitted.heldout)
     hits = {}
-    for row, d in zip(rows, f["decisions"]):
+    for row, d in zip(rows, f.decisions):
         hits.setdefault(row.category or "-", []).append(labels[d] == row.completion.strip())
     for c, h in hits.items():
-        assert f["slices"]["categories"][c]["accuracy"] == pytest.approx(np.mean(h)), c
-    assert np.mean(hits[f["slices"]["worst"]]) == min(np.mean(h) for h in hits.values())
-    assert f["stability_fp32"]["agreement"] == 1.0            # Q4_1/Q8_0/F16 vs fp32 on the fit rows
-    assert f["stability_checkpoint"]["step"] == "base"
-    names = [g[0] for g in evidence.gates(f, fitted.first_loss, fitted.cfg)]
+        assert f.slices["categories"][c]["accuracy"] == pytest.approx(np.mean(h)), c
+    assert np.mean(hits[f.slices["worst"]]) == min(np.mean(h) for h in hits.values())
+    assert f.stability_fp32["agreement"] == 1.0            # Q4_1/Q8_0/F16 vs fp32 on the fit rows
+    assert f.stability_checkpoint["step"] == "base"
+    names = [g.gate for g in evidence.gates(f, fitted.first_loss, fitted.cfg)]
     assert {"calibration", "format", "worst slice", "stability (fp32 base)"} <= set(names)
 
 
@@ -129,5 +129,5 @@ def test_final_evidence_carries_every_surface(fitted):
 def test_dpo_task_gate_allows_two_of_32_rows(after, passes):
     # 27/32 after SFT; the default tolerance is 0.0625 (two rows of 32): 25/32 passes, 24/32 fails
     from vkdsl.train.config import TrainConfig
-    name, ok, why = evidence.task_cost_gate(27 / 32, after, TrainConfig())
-    assert name == "DPO did not cost the task" and ok is passes and f"{after:.3f} after DPO" in why
+    g = evidence.task_cost_gate(27 / 32, after, TrainConfig())
+    assert g.gate == "DPO did not cost the task" and g.passed is passes and f"{after:.3f} after DPO" in g.detail

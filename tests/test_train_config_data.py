@@ -11,13 +11,11 @@ from vkdsl.train import config as C
 from vkdsl.train.data import (IGNORE, DataError, Example, Sampler, check_batches, collate, encode_row,
                               load_examples)
 from vkdsl.train.schedule import checkpoints, sft_lr as lr_at
-from fixtures.synthetic import build_tiny
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tinytok")
-    return load_model_files(build_tiny(d).gguf_path)[1]
+def tok(tiny_model):
+    return load_model_files(tiny_model.gguf_path)[1]
 
 
 def test_unknown_toml_key(tmp_path):

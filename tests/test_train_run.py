@@ -73,8 +73,8 @@ def test_a_kill_during_dpo_resumes_from_its_own_last_step_bit_identically(setup,
     for a, b in zip(adapter(full), adapter(resumed)):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(adapter(full)[1], np.load(tmp_path / "full" / "adapter.npz")[f"{full.names[0]}.lora_B"])
-    assert resumed_ev["heldout"] == full_ev["heldout"]
-    assert [g[:2] for g in resumed.gates] == [g[:2] for g in full.gates]
+    assert resumed_ev.heldout == full_ev.heldout
+    assert [(g.gate, g.passed) for g in resumed.gates] == [(g.gate, g.passed) for g in full.gates]
     # the resumed records: every DPO step once, the ones after the checkpoint recomputed
     steps = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     dpo_steps = [e["step"] - cfg.steps for e in steps if e.get("event") == "dpo_step"]
@@ -169,8 +169,8 @@ def test_single_token_label_scoring_equals_candidate_scoring(setup, tmp_path):
     fast = r.held.scores(True)
     r.held.extra = None
     slow = r.held.scores(True)
-    assert (fast["k"], fast["n"]) == (slow["k"], slow["n"]) and slow["n"] == 4
-    assert fast["heldout_loss"] == pytest.approx(slow["heldout_loss"], rel=1e-5)
+    assert (fast.correct, fast.n) == (slow.correct, slow.n) and slow.n == 4
+    assert fast.heldout_loss == pytest.approx(slow.heldout_loss, rel=1e-5)
 
 
 def test_dpo_only_run_has_no_sft_gates(setup, tmp_path, capsys):

@@ -26,9 +26,10 @@ from vkdsl.ops import losses
 from . import checkpoint, loop
 from .data import IGNORE, DataError, Example, Sampler, collate, encode_row, read_jsonl
 from .distributed import Single, my_share, sum_over_ranks
-from .evidence import Scorer
+from .evidence import DpoEvidence, PairEvidence
 from .prefix import FrozenPrefix
 from .schedule import lr_at
+from .scoring import Scorer
 from .step import HostAdamW, head_rows, select, selected_hidden
 
 LN2 = math.log(2.0)
@@ -149,17 +150,16 @@ def _read_reference(path: Path, key: str, say):
     return None
 
 
-def dpo_evidence(scorer, pairs, rc, rr) -> dict:
+def dpo_evidence(scorer, pairs, rc, rr) -> PairEvidence:
     pc, pr = reference_logps(scorer, pairs, True)
     improvement = (pc - pr) - (rc - rr)
-    return {"pair_accuracy": float(np.mean(pc > pr)), "improvement_accuracy": float(np.mean(improvement > 0)),
-            "margin_improvement": float(improvement.mean()), "chosen_drift": float(np.mean(pc - rc)),
-            "rejected_drift": float(np.mean(pr - rr)), "pairs": len(pairs)}
+    return PairEvidence(float(np.mean(pc > pr)), float(np.mean(improvement > 0)), float(improvement.mean()),
+                        float(np.mean(pc - rc)), float(np.mean(pr - rr)), len(pairs))
 
 
-def margin_story(ev: dict) -> str:
+def margin_story(ev: PairEvidence) -> str:
     """Which side carried the margin: chosen going up, or rejected going down."""
-    up, down = ev["chosen_drift"], -ev["rejected_drift"]     # both positive when they help
+    up, down = ev.chosen_drift, -ev.rejected_drift          # both positive when they help
     total = up + down
     detail = f"chosen drift {up:+.3f} nats, rejected drift {-down:+.3f} nats per pair"
     if abs(total) < 1e-9:
@@ -244,7 +244,7 @@ def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event
     are scored in shards over group's ranks and gathered. stage: f(objective, optimizer) -> None
     runs the loop (train.stages: checkpoints and resume); None: train.loop.train from step 0.
     identity: the run's (models.identity.of_run), for the reference cache's key.
-    Returns (history, final evidence dict)."""
+    Returns (history, DpoEvidence: the pair evidence; the stage adds the rest)."""
     g = group or Single()
     prefix = prefix or FrozenPrefix(model, 0, 0)
     scorer = Scorer(model, pad, cfg.bucket, cfg.max_len, cfg.eval_batch, prefix, g)
@@ -271,4 +271,4 @@ def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event
     # gate and the drift story, and scoring both doubles the stage's evaluation time
     train_ev = dpo_evidence(scorer, pairs, rc, rr) if not heldout else None
     held_ev = dpo_evidence(scorer, heldout, hc, hr) if heldout else None
-    return obj.history, {"train": train_ev, "heldout": held_ev}
+    return obj.history, DpoEvidence(train=train_ev, heldout=held_ev)

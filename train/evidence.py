@@ -1,22 +1,151 @@
-"""What was learned: held-out loss and label accuracy (Wilson 95%), preservation change vs
-the base, per-category loss, adapter checksum, spectrum of s*A*B, merged-vs-separate check,
-and the end-of-run gates."""
+"""What was learned, typed: the evidence of a stage (held-out loss and label accuracy with its
+Wilson 95% interval, preservation change vs the base, the failure surfaces, adapter checksum,
+spectrum of s*A*B, merged-vs-separate check), DPO's pair evidence, and the gates; the statistics
+they are computed with. Scoring (the forward over scored positions) is train.scoring's."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 import vkdsl
-from vkdsl.ops import losses
 
-from .data import IGNORE, Example, collate
-from .prefix import FrozenPrefix
-from .step import head_rows, selected_hidden
+
+def _known(cls, d: dict | None):
+    """A record type from its JSON object (keys it does not have are a newer writer's: ignored)."""
+    if d is not None and not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object for {cls.__name__}, found a {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in (d or {}).items() if k in names})
+
+
+@dataclass
+class Gate:
+    gate: str
+    passed: bool
+    detail: str
+
+    def record(self) -> dict:
+        """The one schema of a gate wherever it is written (gates.json, summary.json, --jsonl)."""
+        return {"gate": self.gate, "pass": bool(self.passed), "detail": self.detail}
+
+    @classmethod
+    def from_record(cls, d: dict) -> "Gate":
+        return cls(str(d.get("gate")), bool(d.get("pass")), str(d.get("detail", "")))
+
+
+@dataclass
+class Scores:
+    """One scoring pass over the held-out rows and the preservation passages (train.heldout)."""
+    held: list                   # per row: (sum of its supervised tokens' log-probs, their count)
+    heldout_loss: float
+    correct: int                 # labelled rows decided right, of n
+    n: int
+    label_lp: np.ndarray         # (n, labels): each label's log-prob as the row's completion
+    truth: list                  # each labelled row's label index
+    format: list                 # per row: its greedy output is one label + end-of-turn ([]: not measured)
+    pres: float                  # preservation loss, nats/token (0 without passages)
+
+    @property
+    def acc(self) -> float | None:
+        return self.correct / self.n if self.n else None
+
+
+@dataclass
+class Surfaces:
+    """The failure surfaces of one scoring pass: calibration, slices, the decisions, format."""
+    calibration: dict | None
+    slices: dict
+    decisions: list
+    format_valid: float | None = None
+    format_n: int | None = None
+    format_failures: list = field(default_factory=list)
+
+
+@dataclass
+class Evidence:
+    """What one evaluation found: of the base, at a step, after SFT or after DPO (None where that
+    evaluation does not measure it). Its JSON object is the eval record, summary.json's final."""
+    step: int | None = None
+    train_loss: float | None = None
+    heldout_loss: float | None = None
+    heldout_loss_base: float | None = None
+    heldout_acc: float | None = None
+    heldout_correct: int | None = None
+    heldout_n: int | None = None
+    heldout_acc_ci: list | None = None
+    heldout_acc_base: float | None = None
+    heldout_target_prob: float | None = None
+    preservation_loss: float | None = None
+    preservation_loss_base: float | None = None
+    preservation_delta: float | None = None
+    category_loss: dict | None = None
+    calibration: dict | None = None
+    slices: dict | None = None
+    decisions: list = field(default_factory=list)
+    format_valid: float | None = None
+    format_n: int | None = None
+    format_failures: list = field(default_factory=list)
+    stability_checkpoint: dict | None = None
+    stability_fp32: dict | None = None
+    decision_agreement_with_sft: float | None = None
+    checksum: str | None = None
+    checksum_changed: bool | None = None
+    spectrum: dict = field(default_factory=dict)
+    merge_max_diff: float | None = None
+    merge_argmax: float | None = None
+    merge_module: str | None = None
+    eval_seconds: float | None = None
+
+    @classmethod
+    def of(cls, sc: Scores, sf: Surfaces | None = None, **more) -> "Evidence":
+        """The held-out side of a scoring pass (and its surfaces) as evidence."""
+        return cls(heldout_loss=sc.heldout_loss, heldout_acc=sc.acc, heldout_correct=sc.correct, heldout_n=sc.n,
+                   heldout_acc_ci=list(wilson(sc.correct, sc.n)) if sc.n else None,
+                   heldout_target_prob=target_prob(sc.label_lp, sc.truth), preservation_loss=sc.pres,
+                   **(dataclasses.asdict(sf) if sf else {}), **more)
+
+    def json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "Evidence":
+        return _known(cls, d)
+
+
+@dataclass
+class PairEvidence:
+    """DPO on one split of pairs: how often chosen beats rejected, and how each side moved."""
+    pair_accuracy: float
+    improvement_accuracy: float
+    margin_improvement: float
+    chosen_drift: float
+    rejected_drift: float
+    pairs: int
+
+
+@dataclass
+class DpoEvidence:
+    train: PairEvidence | None = None           # only without held-out pairs
+    heldout: PairEvidence | None = None
+    after: Evidence | None = None               # every held-out surface again, after DPO
+    sft_acc: float | None = None                # held-out accuracy after SFT, for the task-cost gate
+    preservation_delta: float | None = None
+
+    def json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict | None) -> "DpoEvidence":
+        d = d or {}
+        pair = {k: _known(PairEvidence, d[k]) if d.get(k) else None for k in ("train", "heldout")}
+        return cls(**pair, after=Evidence.from_json(d["after"]) if d.get("after") else None,
+                   sft_acc=d.get("sft_acc"), preservation_delta=d.get("preservation_delta"))
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -27,100 +156,6 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     c = (p + z * z / (2 * n)) / d
     h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
     return max(0.0, c - h), min(1.0, c + h)
-
-
-@dataclass
-class RowScores:
-    """Per row: (sum of supervised log-probs, count); the extra positions' log-probs; whether every
-    supervised token is the greedy one (teacher-forced: the greedy continuation reproduces them);
-    per extra position whether its token is greedy there."""
-    sums: list
-    extra: list
-    greedy: list
-    extra_greedy: list
-
-
-class Scorer:
-    """Per-row sum of next-token log-probs over supervised positions, adapters on or off."""
-
-    def __init__(self, model, pad_id, bucket, max_len, batch, prefix=None, group=None, keep=0):
-        """prefix: train.prefix.FrozenPrefix, shared with training (its rows are reused); None: off.
-        group: train.distributed's process group: the batches are shared out over the ranks and
-        the scores gathered, in row order, on every rank (None: this process scores them all).
-        keep: programs each scoring function holds (vkdsl.trace; 0: one per batch shape)."""
-        self.model, self.pad, self.bucket, self.max_len, self.batch = model, pad_id, bucket, max_len, batch
-        self.keep = keep
-        self.group = group
-        self.prefix = prefix or FrozenPrefix(model, 0, 0)
-        self.fns = {on: self._build(on) for on in (True, False)}
-
-    def _build(self, on):
-        @vkdsl.trace(keep=self.keep)
-        def score(ids, pos, labels):
-            h = selected_hidden(self.model, ids, pos, on, self.prefix.start)
-            return head_rows(self.model, h, lambda lg, lab: (losses.token_logprobs(lg, lab)[0],
-                                                             losses.greedy_gap(lg, lab)), labels, differentiable=False)
-        return score
-
-    def row_logprobs(self, rows: list[Example], adapters_on=True, extra=None):
-        """-> [(sum log p over the row's supervised tokens, count)], and when extra (per row a list
-        of (position, token)) is given, also the log-probs of those tokens at those positions."""
-        sc = self.scores(rows, adapters_on, extra)
-        return (sc.sums, sc.extra) if extra else sc.sums
-
-    def scores(self, rows: list[Example], adapters_on=True, extra=None) -> RowScores:
-        starts = list(range(0, len(rows), self.batch))
-        g = self.group
-        if g is None or g.size == 1:
-            return self._scores(rows, starts, adapters_on, extra)
-        mine = starts[g.rank::g.size]                       # this rank's batches, then everyone's
-        local = self._split(self._scores(rows, mine, adapters_on, extra), [len(rows[s:s + self.batch]) for s in mine])
-        done = {}
-        for part in g.allgather(list(zip(mine, local))):
-            done.update(part)
-        out = RowScores([], [], [], [])
-        for s in starts:
-            for field, vals in zip(("sums", "greedy", "extra", "extra_greedy"), done[s]):
-                getattr(out, field).extend(vals)
-        return out
-
-    @staticmethod
-    def _split(sc: RowScores, sizes):
-        parts, k = [], 0
-        for n in sizes:
-            parts.append((sc.sums[k:k + n], sc.greedy[k:k + n], sc.extra[k:k + n], sc.extra_greedy[k:k + n]))
-            k += n
-        return parts
-
-    def _scores(self, rows, starts, adapters_on, extra) -> RowScores:
-        out = RowScores([], [], [], [])
-        for s in starts:
-            chunk = rows[s:s + self.batch]
-            fill = [Example(chunk[0].ids, [IGNORE] * len(chunk[0].ids), "", "")] * (self.batch - len(chunk))
-            ids, lab = collate(chunk + fill, self.pad, self.bucket, self.max_len)   # one batch shape: fewer programs
-            T = ids.shape[1]
-            pos, sl, owner = [], [], []
-            scored = np.zeros(ids.shape, bool)
-            for i in range(len(chunk)):
-                for t in np.flatnonzero(lab[i] != IGNORE):
-                    pos.append(i * T + t), sl.append(lab[i, t]), owner.append((i, -1))
-                for j, (t, tokid) in enumerate((extra[s + i] if extra else [])):
-                    pos.append(i * T + t), sl.append(tokid), owner.append((i, j))
-                    scored[i, t] = True
-            g = 16 if len(pos) <= 64 else 64            # few scored positions (labels): a 16-row LM head
-            S = -(-len(pos) // g) * g
-            p = np.zeros(S, np.int32)
-            lb = np.full(S, IGNORE, np.int32)
-            p[:len(pos)], lb[:len(pos)] = pos, sl
-            lp, gap = (np.asarray(a, np.float64) for a in self.fns[adapters_on](self.prefix.feed(ids, lab, scored), p, lb))
-            for i in range(len(chunk)):
-                mine = [k for k, o in enumerate(owner) if o == (i, -1)]
-                ext = [k for k, o in enumerate(owner) if o[0] == i and o[1] >= 0]
-                out.sums.append((float(lp[mine].sum()), len(mine)))
-                out.greedy.append(bool(np.all(gap[mine] == 0)))
-                out.extra.append([float(lp[k]) for k in ext])
-                out.extra_greedy.append([bool(gap[k] == 0) for k in ext])
-        return out
 
 
 def mean_loss(scored):
@@ -234,128 +269,122 @@ def merged_check(model, ckpt, name, ids: np.ndarray, prefix=None):
     return float(np.abs(mer - sep).max()), float((mer.argmax(-1) == sep.argmax(-1)).mean())
 
 
-def surface_gates(ev, cfg, base_acc, stage=""):
+def surface_gates(ev: Evidence, cfg, base_acc, stage="") -> list[Gate]:
     """The gates of the held-out surfaces (task, calibration, format, worst slice) of one stage."""
     g = []
-    if ev.get("heldout_acc") is not None:
+    if ev.heldout_acc is not None:
         # better than the base beyond sampling noise: the Wilson 95% lower bound clears the base's accuracy
-        lo = ev["heldout_acc_ci"][0]
-        ok = ev["heldout_acc"] > cfg.gate_heldout_acc and (base_acc is None or lo > base_acc)
-        g.append((stage + "held-out accuracy", ok, f"{ev['heldout_acc']:.3f} > {cfg.gate_heldout_acc}"
-                  + ("" if base_acc is None else f", Wilson 95% lower bound {lo:.3f} > base {base_acc:.3f}")))
-    if ev.get("calibration"):
-        g.append((stage + "calibration", ev["calibration"]["ece"] <= cfg.gate_calibration,
-                  f"ECE {ev['calibration']['ece']:.3f} <= {cfg.gate_calibration}"))
-    if ev.get("format_valid") is not None:
-        g.append((stage + "format", ev["format_valid"] >= cfg.gate_format,
-                  f"{ev['format_valid']:.3f} of {ev['format_n']} greedy outputs are one label + end-of-turn "
-                  f">= {cfg.gate_format}"))
-    sl = ev.get("slices")
+        lo = ev.heldout_acc_ci[0]
+        ok = ev.heldout_acc > cfg.gate_heldout_acc and (base_acc is None or lo > base_acc)
+        g.append(Gate(stage + "held-out accuracy", ok, f"{ev.heldout_acc:.3f} > {cfg.gate_heldout_acc}"
+                      + ("" if base_acc is None else f", Wilson 95% lower bound {lo:.3f} > base {base_acc:.3f}")))
+    if ev.calibration:
+        g.append(Gate(stage + "calibration", ev.calibration["ece"] <= cfg.gate_calibration,
+                      f"ECE {ev.calibration['ece']:.3f} <= {cfg.gate_calibration}"))
+    if ev.format_valid is not None:
+        g.append(Gate(stage + "format", ev.format_valid >= cfg.gate_format,
+                      f"{ev.format_valid:.3f} of {ev.format_n} greedy outputs are one label + end-of-turn "
+                      f">= {cfg.gate_format}"))
+    sl = ev.slices
     if sl and sl["worst"] is not None and sl["categories"][sl["worst"]]["accuracy"] is not None:
         w = sl["categories"][sl["worst"]]
-        g.append((stage + "worst slice", w["accuracy"] >= cfg.gate_slice,
-                  f"{sl['worst']}: accuracy {w['accuracy']:.3f} over {w['n']} rows >= {cfg.gate_slice}"))
+        g.append(Gate(stage + "worst slice", w["accuracy"] >= cfg.gate_slice,
+                      f"{sl['worst']}: accuracy {w['accuracy']:.3f} over {w['n']} rows >= {cfg.gate_slice}"))
     return g
 
 
-def gates(ev, first_loss, cfg):
-    g = surface_gates(ev, cfg, ev.get("heldout_acc_base"))
-    g.append(("preservation damage", ev["preservation_delta"] <= cfg.gate_preservation,
-              f"{ev['preservation_delta']:+.4f} <= {cfg.gate_preservation} nats/token"))
+def gates(ev: Evidence, first_loss, cfg) -> list[Gate]:
+    g = surface_gates(ev, cfg, ev.heldout_acc_base)
+    g.append(Gate("preservation damage", ev.preservation_delta <= cfg.gate_preservation,
+                  f"{ev.preservation_delta:+.4f} <= {cfg.gate_preservation} nats/token"))
     if first_loss is not None:                  # no SFT step (objective dpo): no SFT gates
-        g.append(("train loss fell", first_loss - ev["train_loss"] > cfg.gate_train_drop,
-                  f"{first_loss:.4f} -> {ev['train_loss']:.4f}"))
-        g.append(("adapter changed", ev["checksum_changed"], f"checksum {ev['checksum']}"))
-    if ev.get("merge_max_diff") is not None:
-        g.append(("merged == separate", ev["merge_max_diff"] <= cfg.gate_merge,
-                  f"max diff {ev['merge_max_diff']:.2e} <= {cfg.gate_merge}"))
-    fp = ev.get("stability_fp32")
+        g.append(Gate("train loss fell", first_loss - ev.train_loss > cfg.gate_train_drop,
+                      f"{first_loss:.4f} -> {ev.train_loss:.4f}"))
+        g.append(Gate("adapter changed", ev.checksum_changed, f"checksum {ev.checksum}"))
+    if ev.merge_max_diff is not None:
+        g.append(Gate("merged == separate", ev.merge_max_diff <= cfg.gate_merge,
+                      f"max diff {ev.merge_max_diff:.2e} <= {cfg.gate_merge}"))
+    fp = ev.stability_fp32
     if fp and fp["agreement"] is not None:
-        g.append(("stability (fp32 base)", fp["agreement"] >= cfg.gate_stability,
-                  f"{fp['agreement']:.3f} of {fp['rows']} decisions unchanged >= {cfg.gate_stability}"))
+        g.append(Gate("stability (fp32 base)", fp["agreement"] >= cfg.gate_stability,
+                      f"{fp['agreement']:.3f} of {fp['rows']} decisions unchanged >= {cfg.gate_stability}"))
     return g
 
 
-def gate_records(gates) -> list[dict]:
-    """The one schema of gates everywhere they are written (gates.json, summary.json, --jsonl)."""
-    return [{"gate": n, "pass": ok, "detail": w} for n, ok, w in gates]
-
-
-def publish_gates(rep, run_dir, gates, new):
+def publish_gates(rep, run_dir, gates: list[Gate], new: list[Gate]):
     """Print the new gates' lines, then emit and write every gate so far (gates.json, atomic)."""
     from .checkpoint import atomic_write
-    for name, ok, why in new:
-        rep.outcome(f"  {'PASS' if ok else 'FAIL'}  {name}: {why}")
-    rep.event("gates", gates=gate_records(gates))
-    atomic_write(run_dir / "gates.json", json.dumps(gate_records(gates), indent=1).encode())
+    for g in new:
+        rep.outcome(f"  {'PASS' if g.passed else 'FAIL'}  {g.gate}: {g.detail}")
+    rep.event("gates", gates=[g.record() for g in gates])
+    atomic_write(run_dir / "gates.json", json.dumps([g.record() for g in gates], indent=1).encode())
 
 
-def dpo_gates(ev, cfg, base_acc=None):
+def dpo_gates(ev: DpoEvidence, cfg, base_acc=None) -> list[Gate]:
     g = []
-    held = ev.get("heldout")
+    held = ev.heldout
     if held:
-        g.append(("DPO held-out pairs", held["pair_accuracy"] > cfg.gate_dpo_pair_acc,
-                  f"pair accuracy {held['pair_accuracy']:.3f} > {cfg.gate_dpo_pair_acc} over {held['pairs']} pairs"))
-    if "preservation_delta" in ev:
-        g.append(("preservation after DPO", ev["preservation_delta"] <= cfg.gate_preservation,
-                  f"{ev['preservation_delta']:+.4f} <= {cfg.gate_preservation} nats/token"))
-    if ev.get("after"):
-        g += surface_gates(ev["after"], cfg, base_acc, "after DPO: ")
-        before, after = ev.get("sft_acc"), ev["after"].get("heldout_acc")
-        if before is not None and after is not None:
-            g.append(task_cost_gate(before, after, cfg))
+        g.append(Gate("DPO held-out pairs", held.pair_accuracy > cfg.gate_dpo_pair_acc,
+                      f"pair accuracy {held.pair_accuracy:.3f} > {cfg.gate_dpo_pair_acc} over {held.pairs} pairs"))
+    if ev.preservation_delta is not None:
+        g.append(Gate("preservation after DPO", ev.preservation_delta <= cfg.gate_preservation,
+                      f"{ev.preservation_delta:+.4f} <= {cfg.gate_preservation} nats/token"))
+    if ev.after:
+        g += surface_gates(ev.after, cfg, base_acc, "after DPO: ")
+        if ev.sft_acc is not None and ev.after.heldout_acc is not None:
+            g.append(task_cost_gate(ev.sft_acc, ev.after.heldout_acc, cfg))
     return g
 
 
-def task_cost_gate(before, after, cfg):
+def task_cost_gate(before, after, cfg) -> Gate:
     """DPO must not cost the task: held-out accuracy after DPO within gate_dpo_task_drop of SFT's."""
-    return ("DPO did not cost the task", after >= before - cfg.gate_dpo_task_drop,
-            f"held-out accuracy {before:.3f} after SFT -> {after:.3f} after DPO, >= {before:.3f} - "
-            f"{cfg.gate_dpo_task_drop}")
+    return Gate("DPO did not cost the task", after >= before - cfg.gate_dpo_task_drop,
+                f"held-out accuracy {before:.3f} after SFT -> {after:.3f} after DPO, >= {before:.3f} - "
+                f"{cfg.gate_dpo_task_drop}")
 
 
-def table(ev) -> str:
-    L = [f"evidence at step {ev['step']}:",
-         "  train loss (last step)       " + ("-" if ev["train_loss"] is None else f"{ev['train_loss']:.4f}"),
-         f"  held-out loss                {ev['heldout_loss']:.4f}  (base {ev['heldout_loss_base']:.4f})"]
-    if ev.get("heldout_acc") is not None:
-        lo, hi = ev["heldout_acc_ci"]
-        L.append(f"  held-out accuracy            {ev['heldout_acc']:.3f}  Wilson 95% [{lo:.3f}, {hi:.3f}]  "
-                 f"({ev['heldout_correct']}/{ev['heldout_n']}; base {ev['heldout_acc_base']:.3f})")
-    L.append(f"  preservation delta           {ev['preservation_delta']:+.4f} nats/token vs base "
-             f"({ev['preservation_loss']:.4f} vs {ev['preservation_loss_base']:.4f})")
-    cal = ev.get("calibration")
+def table(ev: Evidence) -> str:
+    L = [f"evidence at step {ev.step}:",
+         "  train loss (last step)       " + ("-" if ev.train_loss is None else f"{ev.train_loss:.4f}"),
+         f"  held-out loss                {ev.heldout_loss:.4f}  (base {ev.heldout_loss_base:.4f})"]
+    if ev.heldout_acc is not None:
+        lo, hi = ev.heldout_acc_ci
+        L.append(f"  held-out accuracy            {ev.heldout_acc:.3f}  Wilson 95% [{lo:.3f}, {hi:.3f}]  "
+                 f"({ev.heldout_correct}/{ev.heldout_n}; base {ev.heldout_acc_base:.3f})")
+    L.append(f"  preservation delta           {ev.preservation_delta:+.4f} nats/token vs base "
+             f"({ev.preservation_loss:.4f} vs {ev.preservation_loss_base:.4f})")
+    cal = ev.calibration
     if cal:
         L.append(f"  calibration (ECE, 10 bins)   {cal['ece']:.3f} over {cal['n']} rows; bins (n: accuracy/confidence) "
                  + " ".join(f"{b['n']}:{b['accuracy']:.2f}/{b['confidence']:.2f}" for b in cal["bins"] if b["n"]))
-    if ev.get("format_valid") is not None:
-        L.append(f"  format (greedy = one label + end-of-turn) {ev['format_valid']:.3f} of {ev['format_n']} prompts")
-        for f in ev.get("format_failures", []):
+    if ev.format_valid is not None:
+        L.append(f"  format (greedy = one label + end-of-turn) {ev.format_valid:.3f} of {ev.format_n} prompts")
+        for f in ev.format_failures:
             L.append(f"    e.g. {f['row']}: expected {f['expected']!r}, generated {f['generated']!r}")
-    sl = ev.get("slices")
+    sl = ev.slices
     if sl:
         for c, v in sl["categories"].items():
             acc = "" if v["accuracy"] is None else f"  accuracy {v['accuracy']:.3f} ({v['n']} rows)"
             L.append(f"  held-out [{c}]{' ' * max(1, 18 - len(c))}loss {v['loss']:.4f}{acc}"
                      + ("  <- worst slice" if c == sl["worst"] else ""))
     else:
-        for c, v in ev["category_loss"].items():
+        for c, v in ev.category_loss.items():
             L.append(f"  held-out loss [{c}]{' ' * max(1, 13 - len(c))}{v:.4f}")
-    st = ev.get("stability_checkpoint")
+    st = ev.stability_checkpoint
     if st and st["agreement"] is not None:
         L.append(f"  stability: decisions agree with {'the base' if st['step'] == 'base' else 'step ' + str(st['step'])}"
                  f" on {st['agreement']:.3f} of rows")
-    fp = ev.get("stability_fp32")
+    fp = ev.stability_fp32
     if fp and fp["agreement"] is not None:
         L.append(f"  stability: packed base vs fp32-dequantized base, same adapter: {fp['agreement']:.3f} of "
                  f"{fp['rows']} decisions agree")
-    L.append(f"  adapter checksum             {ev['checksum']} ({'changed' if ev['checksum_changed'] else 'UNCHANGED'} since init)")
-    if ev.get("merge_max_diff") is not None:
-        L.append(f"  merged vs separate           max diff {ev['merge_max_diff']:.2e}, argmax agreement "
-                 f"{ev['merge_argmax']:.3f} ({ev['merge_module']})")
-    for n, s in list(ev["spectrum"].items())[:4]:
+    L.append(f"  adapter checksum             {ev.checksum} ({'changed' if ev.checksum_changed else 'UNCHANGED'} since init)")
+    if ev.merge_max_diff is not None:
+        L.append(f"  merged vs separate           max diff {ev.merge_max_diff:.2e}, argmax agreement "
+                 f"{ev.merge_argmax:.3f} ({ev.merge_module})")
+    for n, s in list(ev.spectrum.items())[:4]:
         L.append(f"  {n:<20} sv {', '.join(f'{x:.3g}' for x in s['sv'])}  stable rank {s['stable_rank']:.2f}")
-    if len(ev["spectrum"]) > 4:
-        srs = [s["stable_rank"] for s in ev["spectrum"].values()]
+    if len(ev.spectrum) > 4:
+        srs = [s["stable_rank"] for s in ev.spectrum.values()]
         L.append(f"  ({len(srs)} modules: stable rank min {min(srs):.2f} / mean {np.mean(srs):.2f} / max {max(srs):.2f})")
     return "\n".join(L)

@@ -10,8 +10,10 @@ import numpy as np
 from vkdsl.models.llama import Llama
 
 from . import evidence
+from .evidence import Scores, Surfaces
 from .data import IGNORE, DataError, encode_row, reply_end, with_completion
 from .distributed import Single
+from .scoring import Scorer
 
 
 class Heldout:
@@ -76,7 +78,7 @@ class Heldout:
             return idx, np.zeros((0, len(self.labels)))
         return idx, self.label_matrix([rows[i] for i in idx], adapters_on)[0]
 
-    def scores(self, adapters_on, with_format=True):
+    def scores(self, adapters_on, with_format=True) -> Scores:
         """Held-out loss (per row), the label matrix, whether each row's greedy continuation is
         exactly one label then end-of-turn (format; in single-token mode a second pass over the rows
         whose greedy label is not the true one, skipped without with_format), preservation loss."""
@@ -106,25 +108,22 @@ class Heldout:
             held = [sc.sums[j * L + t] for j, t in enumerate(truth)]     # the true label's candidate is the row
             # greedy reproduces a candidate (label + end-of-turn) iff every one of its tokens is greedy
             fmt = [any(sc.greedy[j * L:(j + 1) * L]) for j in range(len(rows))]
-        n = len(truth)
         k = int(sum(int(np.argmax(M[j])) == t for j, t in enumerate(truth)))
         pres = self.scorer.row_logprobs(self.passages, adapters_on) if self.passages else []
-        return {"held": held, "heldout_loss": evidence.mean_loss(held) if held else float("nan"),
-                "acc": k / n if n else None, "k": k, "n": n, "label_lp": M, "truth": truth, "format": fmt,
-                "pres": evidence.mean_loss(pres) if pres else 0.0}
+        return Scores(held, evidence.mean_loss(held) if held else float("nan"), k, len(truth), M, truth, fmt,
+                      evidence.mean_loss(pres) if pres else 0.0)
 
-    def surfaces(self, sc, adapters_on) -> dict:
-        """Calibration, format (with up to format_examples failures generated verbatim), slices and the label
-        decisions of one scoring pass (_scores)."""
-        M, truth, fmt = sc["label_lp"], sc["truth"], sc["format"]
-        out = {"calibration": evidence.calibration(M, truth),
-               "slices": evidence.slices(self.heldout, sc["held"], range(len(truth)), M, truth),
-               "decisions": [int(x) for x in M.argmax(1)] if len(truth) else []}
+    def surfaces(self, sc: Scores, adapters_on) -> Surfaces:
+        """Calibration, format (with up to format_examples failures generated verbatim), slices and the
+        label decisions of one scoring pass."""
+        M, truth, fmt = sc.label_lp, sc.truth, sc.format
+        out = Surfaces(evidence.calibration(M, truth), evidence.slices(self.heldout, sc.held, range(len(truth)), M,
+                                                                       truth),
+                       [int(x) for x in M.argmax(1)] if len(truth) else [])
         if fmt:
-            out["format_valid"] = float(np.mean(fmt))
-            out["format_n"] = len(fmt)
+            out.format_valid, out.format_n = float(np.mean(fmt)), len(fmt)
             shown = [j for j, f in enumerate(fmt) if not f][:self.cfg.format_examples]
-            out["format_failures"] = self._group().from_root(self._generate_failures, shown, adapters_on)
+            out.format_failures = self._group().from_root(self._generate_failures, shown, adapters_on)
         return out
 
     def _group(self):
@@ -170,7 +169,7 @@ class Heldout:
             return None
         fp = Llama(self.ckpt, quant="none")
         fp.lora = dict(self.model.lora)
-        scorer = evidence.Scorer(fp, self.pad, self.cfg.bucket, self.cfg.max_len, self.cfg.eval_batch)
+        scorer = Scorer(fp, self.pad, self.cfg.bucket, self.cfg.max_len, self.cfg.eval_batch)
         plan = (self.cands[:n * len(self.labels)], None if self.extra is None else self.extra[:n])
         M, _ = self.label_matrix(self.heldout[:n], True, plan, scorer)
         del fp, scorer

@@ -7,6 +7,7 @@ Reads what the trainer writes: metrics.jsonl (step, eval, dpo_step records), sum
 final evidence, DPO evidence, gates), base_eval.json, config.json and the adapter manifest."""
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 from vkdsl.fileio import atomic_write
 
 from .charts import bar_chart, line_chart, reliability_chart
+from .evidence import DpoEvidence, Evidence, Gate
 
 CSS = ("body{font:14px/1.45 system-ui,sans-serif;max-width:1000px;margin:24px auto;padding:0 16px;color:#222}"
        "h2{margin-top:28px;border-bottom:1px solid #ddd}table{border-collapse:collapse;margin:8px 0 14px}"
@@ -89,61 +91,54 @@ class RunData:
         self.rows = _read_jsonl(self.dir / "metrics.jsonl")
         self.summary = _read_json(self.dir / "summary.json") or {}
         self.config = _read_json(self.dir / "config.json") or {}
-        self.base = (_read_json(self.dir / "base_eval.json") or {}).get("base", {})
         self.manifest = _read_json(self.dir / "adapter" / "vkdsl_manifest.json") or {}
-        gates = _read_json(self.dir / "gates.json")
-        self.gates = [{"gate": g.get("gate", g.get("name")), "pass": g.get("pass", g.get("passed")),
-                       "detail": g.get("detail", "")} for g in (gates or self.summary.get("gates") or [])]
-        evals = [r for r in self.rows if r.get("event") == "eval"]
-        self.final = self.summary.get("final") or (evals[-1] if evals else {})
-        self.dpo = self.summary.get("dpo") or {}
+        base, gates = _read_json(self.dir / "base_eval.json") or {}, _read_json(self.dir / "gates.json")
+        try:                # the records as their types: a record of another shape is one line
+            self.base = Evidence.from_json(base["base"]) if base.get("base") else None
+            self.gates = [Gate.from_record(g) for g in (gates or self.summary.get("gates") or [])]
+            evals = [r for r in self.rows if r.get("event") == "eval"]
+            self.final = Evidence.from_json(self.summary.get("final") or (evals[-1] if evals else {}))
+            self.dpo = DpoEvidence.from_json(self.summary["dpo"]) if self.summary.get("dpo") else None
+        except (AttributeError, TypeError, ValueError) as e:
+            raise ValueError(f"{self.dir}: a record is not in the shape vkdsl-train writes ({e})") from None
 
     def steps(self, event, key):
         return [(r["step"], r[key]) for r in self.rows if r.get("event") == event and r.get(key) is not None]
 
 
-def _surface_rows(stages: list[tuple[str, dict]]) -> list[list]:
-    """One row per surface, one column per stage (dicts in the final-evidence layout)."""
+def _surface_rows(stages: list[tuple[str, Evidence]]) -> list[list]:
+    """One row per surface, one column per stage."""
     def acc(e):
-        if e.get("heldout_acc") is None:
+        if e.heldout_acc is None:
             return "–"
-        ci = e.get("heldout_acc_ci")
-        return f"{e['heldout_acc']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        ci = e.heldout_acc_ci
+        return f"{e.heldout_acc:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
 
     def worst(e):
-        s = e.get("slices") or {}
+        s = e.slices or {}
         w = s.get("worst")
-        if not w:
-            return "–"
-        a = s["categories"][w]["accuracy"]
-        return f"{w}: {_num(a)}"
+        return f"{w}: {_num(s['categories'][w]['accuracy'])}" if w else "–"
 
     def stab(e):
-        f = e.get("stability_fp32") or {}
+        f = e.stability_fp32 or {}
         return _num(f.get("agreement")) + (f" of {f['rows']}" if f.get("rows") else "")
     lines = [("task: held-out label accuracy, Wilson 95%", acc),
-             ("held-out loss (nats/token)", lambda e: _num(e.get("heldout_loss"))),
-             ("target probability within the labels", lambda e: _num(e.get("heldout_target_prob"))),
-             ("calibration: ECE (10 bins)", lambda e: _num((e.get("calibration") or {}).get("ece"))),
-             ("format: greedy output = one label + end-of-turn", lambda e: _num(e.get("format_valid"))),
+             ("held-out loss (nats/token)", lambda e: _num(e.heldout_loss)),
+             ("target probability within the labels", lambda e: _num(e.heldout_target_prob)),
+             ("calibration: ECE (10 bins)", lambda e: _num((e.calibration or {}).get("ece"))),
+             ("format: greedy output = one label + end-of-turn", lambda e: _num(e.format_valid)),
              ("slices: worst category accuracy", worst),
-             ("preservation change vs base (nats/token)", lambda e: _num(e.get("preservation_delta"), 4)),
+             ("preservation change vs base (nats/token)", lambda e: _num(e.preservation_delta, 4)),
              ("stability: decisions unchanged on the fp32 base", stab)]
     return [[name] + [fn(e) for _, e in stages] for name, fn in lines]
 
 
-def _stages(d: RunData) -> list[tuple[str, dict]]:
-    b = dict(d.base)
-    b.update({"heldout_acc": b.get("acc"), "preservation_delta": 0.0 if b else None})
-    if b.get("k") is not None and b.get("n"):
-        from .evidence import wilson
-        b["heldout_acc_ci"] = wilson(b["k"], b["n"])
-    out = [("base", b)]
-    if d.final and d.summary.get("sft_steps"):
+def _stages(d: RunData) -> list[tuple[str, Evidence]]:
+    out = [("base", d.base or Evidence())]
+    if d.final.step is not None and d.summary.get("sft_steps"):
         out.append(("after SFT", d.final))
-    after = d.dpo.get("after")
-    if after:
-        out.append(("after DPO", {**after, "preservation_delta": d.dpo.get("preservation_delta")}))
+    if d.dpo and d.dpo.after:
+        out.append(("after DPO", dataclasses.replace(d.dpo.after, preservation_delta=d.dpo.preservation_delta)))
     return out
 
 
@@ -161,11 +156,11 @@ def _fit(d: RunData) -> str:
 def _transfer(d: RunData) -> str:
     st = _stages(d)
     parts = [html_table(["surface"] + [n for n, _ in st], _surface_rows(st))]
-    rel = [reliability_chart(e["calibration"]["bins"], n) for n, e in st if e.get("calibration")]
+    rel = [reliability_chart(e.calibration["bins"], n) for n, e in st if e.calibration]
     if rel:
         parts.append("<p class='q'>Reliability: accuracy per bin of the winning label's probability (bar), the "
                      "diagonal is perfect calibration; n = rows in the bin.</p><div class='row'>" + "".join(rel) + "</div>")
-    fails = [(n, f) for n, e in st for f in e.get("format_failures", [])]
+    fails = [(n, f) for n, e in st for f in e.format_failures]
     if fails:
         parts.append("<p class='q'>Format failures, verbatim (greedy, up to three per stage):</p>" + html_table(
             ["stage", "row", "expected", "generated"], [[n, f["row"].rsplit("/", 1)[-1], f["expected"],
@@ -177,7 +172,7 @@ def _cost(d: RunData) -> str:
     st = _stages(d)
     cats = {}
     for name, e in st:
-        for c, v in ((e.get("slices") or {}).get("categories") or {}).items():
+        for c, v in ((e.slices or {}).get("categories") or {}).items():
             cats.setdefault(c, {})[name] = v
     if not cats:
         return "<p>No per-category evidence.</p>"
@@ -195,17 +190,18 @@ def _dpo(d: RunData) -> str:
     if not d.dpo:
         return "<p>No DPO stage in this run.</p>"
     from .dpo import margin_story
-    split = d.dpo.get("heldout") or d.dpo.get("train") or {}
+    split = d.dpo.heldout or d.dpo.train
     losses = [(i + 1, v) for i, (_, v) in enumerate(d.steps("dpo_step", "dpo_loss"))]
     chart = line_chart({"DPO loss": losses}, "DPO step", "loss", w=520) if len(losses) >= 2 else ""
-    rows = [[k, _num(split.get(k))] for k in ("pair_accuracy", "improvement_accuracy", "margin_improvement",
-                                              "chosen_drift", "rejected_drift", "pairs")]
+    rows = [[k, _num(getattr(split, k, None))] for k in ("pair_accuracy", "improvement_accuracy",
+                                                          "margin_improvement", "chosen_drift", "rejected_drift",
+                                                          "pairs")]
     story = f"<p>{_e(margin_story(split))}</p>" if split else ""
-    return chart + html_table(["held-out pairs" if d.dpo.get("heldout") else "training pairs", "value"], rows) + story
+    return chart + html_table(["held-out pairs" if d.dpo.heldout else "training pairs", "value"], rows) + story
 
 
 def _update(d: RunData) -> str:
-    spec = d.final.get("spectrum") or {}
+    spec = d.final.spectrum or {}
     if not spec:
         return "<p>No spectrum recorded.</p>"
     rows = [[m, ", ".join(f"{x:.3g}" for x in s["sv"]), _num(s["stable_rank"], 2), _num(s["fro"])]
@@ -219,8 +215,8 @@ def _update(d: RunData) -> str:
 def _gates(d: RunData) -> str:
     if not d.gates:
         return "<p>No gates recorded.</p>"
-    return html_table(["gate", "result", "detail"], [[_e(g["gate"]), f"<span class='{'pass' if g['pass'] else 'fail'}'>"
-                                                  f"{'PASS' if g['pass'] else 'FAIL'}</span>", _e(g["detail"])]
+    return html_table(["gate", "result", "detail"], [[_e(g.gate), f"<span class='{'pass' if g.passed else 'fail'}'>"
+                                                  f"{'PASS' if g.passed else 'FAIL'}</span>", _e(g.detail)]
                                                  for g in d.gates], raw=True)
 
 
@@ -254,10 +250,10 @@ def _page(title, body) -> bytes:
 
 def build_report(run_dir) -> Path:
     d = RunData(run_dir)
-    ok = all(g["pass"] for g in d.gates) if d.gates else None
+    ok = all(g.passed for g in d.gates) if d.gates else None
     head = (f"<h1>vkdsl run {_e(d.dir.name)}</h1><p>{_e(d.config.get('objective', ''))} on "
             f"{_e(d.config.get('model') or 'SmolLM2-135M-Instruct')}: "
-            + ("" if ok is None else f"<span class='{'pass' if ok else 'fail'}'>{sum(g['pass'] for g in d.gates)} of "
+            + ("" if ok is None else f"<span class='{'pass' if ok else 'fail'}'>{sum(g.passed for g in d.gates)} of "
                f"{len(d.gates)} gates pass</span>") + "</p>"
             + ("" if d.finished else "<p class='fail'>This run has not finished (no summary.json): the page shows "
                                      "what it recorded so far.</p>"))
@@ -271,11 +267,11 @@ def compare_report(run_a, run_b, out=None) -> Path:
     a, b = RunData(run_a), RunData(run_b)
     sa, sb = _stages(a), _stages(b)
     cols = [(f"{a.dir.name}: {n}", e) for n, e in (sa[0], sa[-1])] + [(f"{b.dir.name}: {n}", e) for n, e in (sb[0], sb[-1])]
-    names = sorted({g["gate"] for g in a.gates + b.gates}, key=lambda g: [x["gate"] for x in a.gates + b.gates].index(g))
+    names = list(dict.fromkeys(g.gate for g in a.gates + b.gates))
 
     def res(d, g):
-        hit = next((x for x in d.gates if x["gate"] == g), None)
-        return "–" if hit is None else ("PASS" if hit["pass"] else "FAIL")
+        hit = next((x for x in d.gates if x.gate == g), None)
+        return "–" if hit is None else ("PASS" if hit.passed else "FAIL")
     keys = sorted(set(a.config) | set(b.config))
     diff = [[k, json.dumps(a.config.get(k)), json.dumps(b.config.get(k))] for k in keys if a.config.get(k) != b.config.get(k)]
     body = (f"<h1>vkdsl runs {_e(a.dir.name)} and {_e(b.dir.name)}</h1><h2>Surfaces</h2>"

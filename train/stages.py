@@ -33,7 +33,8 @@ def _dpo_loop(r, obj, opt, stop_after=None):
         obj.order.set_state(meta["sampler"])
         step = meta["step"]
         r.r.say(f"resumed DPO from {path} at DPO step {step}")
-    identity = {**r.identity, "start_adapter": start_sum, "sft_final": r.final, "first_loss": r.first_loss}
+    identity = {**r.identity, "start_adapter": start_sum, "sft_final": r.final.json() if r.final else None,
+                "first_loss": r.first_loss}
 
     def save(at):
         checkpoint.save(r.dir, at, r.names, [p.numpy() for p in r.params], opt.state(), obj.order.state(), identity,
@@ -47,7 +48,7 @@ def _dpo_loop(r, obj, opt, stop_after=None):
 
 
 def dpo_stage(r, stop_after=None):
-    """Train the same adapters with DPO; record evidence; returns the evidence dict. stop_after:
+    """Train the same adapters with DPO; record evidence; returns its DpoEvidence. stop_after:
     end the stage after that DPO step with loop.Interrupted (a simulated kill)."""
     cfg, rep = r.cfg, r.r
     enc = (cfg.chat_template, cfg.max_len, cfg.truncation_side)
@@ -59,7 +60,7 @@ def dpo_stage(r, stop_after=None):
     reference = cfg.reference if cfg.reference != "auto" else ("sft" if cfg.objective == "sft+dpo" else "base")
     rep.say(f"DPO: {len(pairs)} training pairs, {len(held)} held-out pairs, beta {cfg.dpo_beta}, reference = "
             f"{ {'sft': 'the SFT adapter, frozen', 'base': 'the base (adapter off)', 'none': 'none (control)'}[reference]}")
-    base_pres = r.base["pres"] if getattr(r, "base", None) else None
+    base = getattr(r, "base", None)
 
     def event(kind, **rec):
         rep.event(kind, **rec)
@@ -70,35 +71,31 @@ def dpo_stage(r, stop_after=None):
     r.dpo_history = history
     after = r.held.scores(adapters_on=True)          # every surface again, after DPO (one scoring pass)
     surf = r.held.surfaces(after, adapters_on=True)
-    ev["after"] = {"heldout_acc": after["acc"], "heldout_correct": after["k"], "heldout_n": after["n"],
-                   "heldout_acc_ci": evidence.wilson(after["k"], after["n"]) if after["n"] else None,
-                   "heldout_loss": after["heldout_loss"],
-                   "heldout_target_prob": evidence.target_prob(after["label_lp"], after["truth"]),
-                   **{k: v for k, v in surf.items() if k != "decisions"},
-                   "decision_agreement_with_sft": evidence.agreement(surf["decisions"], (r.final or {}).get("decisions", []))}
-    ev["sft_acc"] = (r.final or {}).get("heldout_acc")
-    if base_pres is not None and r.passages:
-        ev["preservation_delta"] = after["pres"] - base_pres
+    ev.after = evidence.Evidence.of(after, surf, decision_agreement_with_sft=evidence.agreement(
+        surf.decisions, r.final.decisions if r.final else []))
+    ev.sft_acc = r.final.heldout_acc if r.final else None
+    if base is not None and r.passages:
+        ev.preservation_delta = after.pres - base.preservation_loss
     rep.say(f"DPO evidence ({time.perf_counter() - t0:.0f}s):")
     for split in ("train", "heldout"):
-        e = ev.get(split)
+        e = getattr(ev, split)
         if e:
-            rep.say(f"  {split}: pair accuracy {e['pair_accuracy']:.3f} | improvement accuracy "
-                    f"{e['improvement_accuracy']:.3f} | mean margin improvement {e['margin_improvement']:+.3f} nats | "
-                    f"chosen drift {e['chosen_drift']:+.3f} | rejected drift {e['rejected_drift']:+.3f}")
-    if "preservation_delta" in ev:
-        rep.say(f"  preservation change vs base: {ev['preservation_delta']:+.4f} nats/token")
-    rep.say("  " + dpo.margin_story(ev["heldout"] or ev["train"]))
-    a = ev["after"]
-    if a["heldout_acc"] is not None:
-        rep.say(f"  after DPO: held-out label accuracy {a['heldout_acc']:.3f} Wilson 95% [{a['heldout_acc_ci'][0]:.3f}, "
-                f"{a['heldout_acc_ci'][1]:.3f}], ECE {a['calibration']['ece']:.3f}, format {a.get('format_valid', 0):.3f}, "
-                f"worst slice {a['slices']['worst']}"
-                + (f", decisions equal to after SFT on {a['decision_agreement_with_sft']:.3f}"
-                   if a["decision_agreement_with_sft"] is not None else ""))
+            rep.say(f"  {split}: pair accuracy {e.pair_accuracy:.3f} | improvement accuracy "
+                    f"{e.improvement_accuracy:.3f} | mean margin improvement {e.margin_improvement:+.3f} nats | "
+                    f"chosen drift {e.chosen_drift:+.3f} | rejected drift {e.rejected_drift:+.3f}")
+    if ev.preservation_delta is not None:
+        rep.say(f"  preservation change vs base: {ev.preservation_delta:+.4f} nats/token")
+    rep.say("  " + dpo.margin_story(ev.heldout or ev.train))
+    a = ev.after
+    if a.heldout_acc is not None:
+        rep.say(f"  after DPO: held-out label accuracy {a.heldout_acc:.3f} Wilson 95% [{a.heldout_acc_ci[0]:.3f}, "
+                f"{a.heldout_acc_ci[1]:.3f}], ECE {a.calibration['ece']:.3f}, format {a.format_valid or 0:.3f}, "
+                f"worst slice {a.slices['worst']}"
+                + (f", decisions equal to after SFT on {a.decision_agreement_with_sft:.3f}"
+                   if a.decision_agreement_with_sft is not None else ""))
     r.records.append("dpo_evidence", step=cfg.steps + cfg.dpo_steps,
-                     **{f"dpo_{k}": v for k, v in ev.items() if v is not None})
-    more = evidence.dpo_gates(ev, cfg, (getattr(r, "base", None) or {}).get("acc"))
+                     **{f"dpo_{k}": v for k, v in ev.json().items() if v is not None})
+    more = evidence.dpo_gates(ev, cfg, base.heldout_acc if base is not None else None)
     r.gates = list(r.gates) + more
     evidence.publish_gates(rep, r.dir, r.gates, more)
     return ev
@@ -111,8 +108,8 @@ def export(r, dpo_ev=None):
     cfg = r.cfg
     dev = default_device().info
     summary = {"objective": cfg.objective, "sft_steps": r.step, "dpo_steps": cfg.dpo_steps if "dpo" in cfg.objective
-               else 0, "final": r.final, "gates": evidence.gate_records(r.gates),
-               "dpo": dpo_ev}
+               else 0, "final": r.final.json() if r.final else None, "gates": [g.record() for g in r.gates],
+               "dpo": dpo_ev.json() if dpo_ev else None}
     extra = {"data": {k: {"file": getattr(cfg, k), "sha256": file_sha256(getattr(cfg, k))}
                       for k in ("train_file", "heldout_file", "preservation_file", "dpo_train_file", "dpo_heldout_file")
                       if getattr(cfg, k)},
@@ -127,7 +124,7 @@ def export(r, dpo_ev=None):
              "vkdsl": vkdsl.__version__,
              "processes": {"ranks": r.group.size, "devices": r.devices
                            or [f"rank 0: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info})"]},
-             "final_metrics": r.final, "gates": summary["gates"]}
+             "final_metrics": summary["final"], "gates": summary["gates"]}
     save_adapter_bundle(r.model, r.dir, model_path=r.model_path, tokenizer=r.tok, r=cfg.rank, alpha=cfg.alpha,
                         rslora=cfg.rslora, base_name=str(r.model_path).rsplit("/", 1)[-1], extra=extra)
     checkpoint.atomic_write(r.dir / "summary.json", json.dumps(summary, indent=1, default=str).encode())

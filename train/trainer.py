@@ -18,6 +18,7 @@ from vkdsl.precision import current as matmul_precision_now
 from . import checkpoint, evidence, loop, memplan
 from .data import IGNORE, DataError, check_batches, collate, load_examples, load_passages, sampler
 from .distributed import Single
+from .evidence import Evidence
 from .heldout import Heldout
 from .loop import TrainingStopped  # noqa: F401  (re-exported: the CLI's user error)
 from .inject import count_report, inject, params_of
@@ -25,6 +26,7 @@ from .packing import efficiency_line
 from .prefix import FrozenPrefix, first_adapted_layer
 from .progress import Records, Reporter
 from .schedule import checkpoints as lr_points, sft_lr
+from .scoring import Scorer
 from .step import Stepper
 
 
@@ -96,7 +98,7 @@ class Run:
             self.stepper.head_rows = memplan.head_rows(self.train, cfg)
             self.r.say(f"packing: {len(self.train)} rows first-fit into windows of {cfg.window} tokens, "
                        f"{100 * self.sampler.utilization():.1f}% of their positions real tokens")
-        self.scorer = evidence.Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix,
+        self.scorer = Scorer(self.model, self.pad, cfg.bucket, cfg.max_len, cfg.eval_batch, self.prefix,
                                       self.group, keep=1 if cfg.window else 0)
         self.held = Heldout(cfg, self.model, self.ckpt, self.tok, self.pad, self.scorer, self.heldout, self.passages)
         self.init_sum = evidence.checksum([p.numpy() for p in self.params])
@@ -165,32 +167,35 @@ class Run:
                        "comparing the label tokens' log-probs at the answer position")
         key, cache = self._base_key(), self.dir / BASE_EVAL
         # only rank 0 writes (and reads) the run folder: every rank must take the same branch
-        self.base = self.group.from_root(_cached_base, cache, key)
-        if self.base is not None:
+        saved = self.group.from_root(_cached_base, cache, key)
+        if saved is not None:
+            self.base = Evidence.from_json(saved)
             self.r.say(f"base evaluation reused from {cache.name} (same base, tokenizer, data and settings)")
         else:
-            self.base = self.held.scores(adapters_on=False)
-            bad = [k for k in ("heldout_loss", "pres") if not math.isfinite(self.base[k])]
+            sc = self.held.scores(adapters_on=False)
+            bad = [k for k, v in (("held-out loss", sc.heldout_loss), ("preservation loss", sc.pres))
+                   if not math.isfinite(v)]
             if bad:
                 raise ValueError(f"{self.cfg.model or 'the default model'}: the base model's {' and '.join(bad)} is "
                                  f"not finite before any training: its weights hold NaN or Inf (a damaged file?)")
-            self.base.update(self.held.surfaces(self.base, adapters_on=False))
-            checkpoint.atomic_write(cache, json.dumps({"key": key, "base": {
-                k: self.base[k] for k in BASE_KEYS if k in self.base}}).encode())
-        self.decisions_seen = [("base", self.base.get("decisions", []))]
-        self.r.say(f"base evaluation in {time.perf_counter() - t0:.1f}s: held-out loss {self.base['heldout_loss']:.4f}"
-                   + (f", label accuracy {self.base['acc']:.3f}" if self.base['acc'] is not None else "")
-                   + f", preservation loss {self.base['pres']:.4f}"
-                   + (f", calibration ECE {self.base['calibration']['ece']:.3f}" if self.base.get("calibration") else "")
-                   + (f", format {self.base['format_valid']:.3f}" if self.base.get("format_valid") is not None else ""))
-        for f in self.base.get("format_failures", []):
+            self.base = Evidence.of(sc, self.held.surfaces(sc, adapters_on=False), step="base",
+                                    preservation_delta=0.0)
+            checkpoint.atomic_write(cache, json.dumps({"key": key, "base": self.base.json()}).encode())
+        b = self.base
+        self.decisions_seen = [("base", b.decisions)]
+        self.r.say(f"base evaluation in {time.perf_counter() - t0:.1f}s: held-out loss {b.heldout_loss:.4f}"
+                   + (f", label accuracy {b.heldout_acc:.3f}" if b.heldout_acc is not None else "")
+                   + f", preservation loss {b.preservation_loss:.4f}"
+                   + (f", calibration ECE {b.calibration['ece']:.3f}" if b.calibration else "")
+                   + (f", format {b.format_valid:.3f}" if b.format_valid is not None else ""))
+        for f in b.format_failures:
             self.r.say(f"  base format failure {f['row']}: expected {f['expected']!r}, generated {f['generated']!r}")
 
     def _base_key(self) -> str:
         """What the base model's evaluation depends on: base, tokenizer, data files and the settings
         that shape the scored rows."""
         c = self.cfg
-        return identity.digest({**self.identity, "heldout": identity.file_sha256(c.heldout_file) if c.heldout_file else "",
+        return identity.digest({**self.identity, "layout": "Evidence", "heldout": identity.file_sha256(c.heldout_file) if c.heldout_file else "",
                                 "preservation": identity.file_sha256(c.preservation_file) if c.preservation_file else "",
                                 "settings": [c.labels, c.label_eval, c.chat_template, c.max_len, c.truncation_side,
                                              c.bucket, c.eval_batch, c.format_tokens, c.format_examples]})
@@ -199,47 +204,40 @@ class Run:
         """The evidence at this step; final: also the fp32-dequantized base's decisions (stability)."""
         t0 = time.perf_counter()
         sc = self.held.scores(adapters_on=True)
-        ps = [p.numpy() for p in self.params]
-        ev = {"step": self.step, "train_loss": self.last_loss, "heldout_loss": sc["heldout_loss"],
-              "heldout_loss_base": self.base["heldout_loss"],
-              "heldout_acc": sc["acc"], "heldout_correct": sc["k"], "heldout_n": sc["n"],
-              "heldout_acc_ci": evidence.wilson(sc["k"], sc["n"]) if sc["n"] else None,
-              "heldout_acc_base": self.base["acc"],
-              "heldout_target_prob": evidence.target_prob(sc["label_lp"], sc["truth"]),
-              "preservation_loss": sc["pres"], "preservation_loss_base": self.base["pres"],
-              "preservation_delta": sc["pres"] - self.base["pres"],
-              "category_loss": evidence.per_category(self.heldout, sc["held"]),
-              "checksum": evidence.checksum(ps)}
-        ev.update(self.held.surfaces(sc, adapters_on=True))
+        b = self.base
+        ev = Evidence.of(sc, self.held.surfaces(sc, adapters_on=True), step=self.step, train_loss=self.last_loss,
+                         heldout_loss_base=b.heldout_loss, heldout_acc_base=b.heldout_acc,
+                         preservation_loss_base=b.preservation_loss, preservation_delta=sc.pres - b.preservation_loss,
+                         category_loss=evidence.per_category(self.heldout, sc.held),
+                         checksum=evidence.checksum([p.numpy() for p in self.params]))
         if self.decisions_seen:                 # stability over training: the last evaluation's decisions
             step, before = self.decisions_seen[-1]
-            ev["stability_checkpoint"] = {"step": step, "agreement": evidence.agreement(ev["decisions"], before)}
-        self.decisions_seen.append((self.step, ev["decisions"]))
+            ev.stability_checkpoint = {"step": step, "agreement": evidence.agreement(ev.decisions, before)}
+        self.decisions_seen.append((self.step, ev.decisions))
         if final and self.cfg.stability_rows:
             fp = self.held.fp32_decisions(self.cfg.stability_rows)
             if fp is not None:
-                ev["stability_fp32"] = {"rows": len(fp), "agreement": evidence.agreement(ev["decisions"][:len(fp)], fp)}
-        ev["checksum_changed"] = ev["checksum"] != self.init_sum
-        ev["spectrum"] = evidence.spectrum(self.model, self.names, top=self.cfg.rank)
-        ev.update(self._merge_check())
-        ev["eval_seconds"] = time.perf_counter() - t0
+                ev.stability_fp32 = {"rows": len(fp), "agreement": evidence.agreement(ev.decisions[:len(fp)], fp)}
+        ev.checksum_changed = ev.checksum != self.init_sum
+        ev.spectrum = evidence.spectrum(self.model, self.names, top=self.cfg.rank)
+        self._merge_check(ev)
+        ev.eval_seconds = time.perf_counter() - t0
         self.r.say(evidence.table(ev))
-        self.r.event("eval", **ev)
-        self.records.append("eval", **ev)
+        self.r.event("eval", **ev.json())
+        self.records.append("eval", **ev.json())
         return ev
 
-    def _merge_check(self):
+    def _merge_check(self, ev):
         """On the first few held-out rows (unpadded lengths cut to the shortest), for the first
         adapted module."""
         n = self.cfg.merge_check_rows
         rows = (self.heldout or self.train)[:n]
-        if not n or not rows:
-            return {}
-        T = min(len(r.ids) for r in rows)
-        ids = np.array([r.ids[:T] for r in rows], np.int32)
-        name = self.names[0]
-        d, agree = evidence.merged_check(self.model, self.ckpt, name, ids, self.prefix)
-        return {"merge_max_diff": d, "merge_argmax": agree, "merge_module": name}
+        if n and rows:
+            T = min(len(r.ids) for r in rows)
+            ids = np.array([r.ids[:T] for r in rows], np.int32)
+            ev.merge_module = self.names[0]
+            ev.merge_max_diff, ev.merge_argmax = evidence.merged_check(self.model, self.ckpt, ev.merge_module, ids,
+                                                                       self.prefix)
 
     # ---- the loop ----
     def restore(self, run_dir):
@@ -322,8 +320,6 @@ class SftObjective:
 
 
 BASE_EVAL = "base_eval.json"
-BASE_KEYS = ("heldout_loss", "acc", "k", "n", "pres", "calibration", "slices", "decisions", "format_valid", "format_n",
-             "format_failures")
 
 
 def _cached_base(path: Path, key: str):
@@ -387,7 +383,7 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
         if evidence_at_end and final and cfg.objective != "dpo":   # DPO alone: its stage has evidence and gates
             kept = r.dpo_saved[0].get("sft_final") if r.dpo_saved else None
             if kept is not None:        # resumed inside DPO: the SFT stage's evaluation was taken before it
-                r.final = kept
+                r.final = Evidence.from_json(kept)
                 rep.say(f"SFT evidence at step {r.step} as the DPO checkpoint recorded it")
             else:
                 r.final = r.evaluate(final=True)

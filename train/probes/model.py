@@ -16,8 +16,9 @@ from vkdsl.ops import quant
 from vkdsl.ops.lora import LoRA
 
 from ..data import load_passages
-from ..evidence import Scorer, mean_loss
+from ..evidence import mean_loss
 from ..schedule import sft_lr
+from ..scoring import Scorer
 from ..step import Stepper
 from .base import Expectation, Result, probe
 from .common import config, open_run, spectrum_stats, train_run
@@ -297,14 +298,14 @@ def int4_storage(ctx) -> Result:
         r = train_run(ctx, "adapter-on-int4", quant="int4", steps=ctx.params["steps"], objective="sft")
         f = r.final
         rows.append({"storage": "int4 packed + adapter (SFT)", "weight bytes on the device": None,
-                     "preservation loss": f["preservation_loss"],
-                     "change vs fp32": f["preservation_loss"] - ref})
+                     "preservation loss": f.preservation_loss,
+                     "change vs fp32": f.preservation_loss - ref})
         ex.append(Expectation("an fp32 adapter trains on the int4 base: the training loss falls",
-                              f"{r.first_loss:.3f} -> {f['train_loss']:.3f}", f["train_loss"] < r.first_loss))
-        if f.get("heldout_acc") is not None:
-            notes.append(f"adapter on the int4 base: held-out accuracy {f['heldout_acc']:.3f} Wilson 95% "
-                         f"[{f['heldout_acc_ci'][0]:.3f}, {f['heldout_acc_ci'][1]:.3f}] (the int4 base alone "
-                         f"{f['heldout_acc_base']:.3f}); preservation {f['preservation_delta']:+.4f} vs the int4 "
+                              f"{r.first_loss:.3f} -> {f.train_loss:.3f}", f.train_loss < r.first_loss))
+        if f.heldout_acc is not None:
+            notes.append(f"adapter on the int4 base: held-out accuracy {f.heldout_acc:.3f} Wilson 95% "
+                         f"[{f.heldout_acc_ci[0]:.3f}, {f.heldout_acc_ci[1]:.3f}] (the int4 base alone "
+                         f"{f.heldout_acc_base:.3f}); preservation {f.preservation_delta:+.4f} vs the int4 "
                          f"base itself")
     return Result(f"int4-storage: {ctx.model or 'the default model'} stored five ways",
                   ["storage", "weight bytes on the device", "vs fp32", "rel. Frobenius error min/mean/max",

@@ -23,8 +23,8 @@ def _train_accuracy(r, n_rows):
 
 
 def _ci(f):
-    lo, hi = f["heldout_acc_ci"]
-    return f"{f['heldout_acc']:.3f} [{lo:.3f}, {hi:.3f}]"
+    lo, hi = f.heldout_acc_ci
+    return f"{f.heldout_acc:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 @probe("tickets", "the bundled support-ticket task over seeds: train and held-out accuracy (Wilson 95%), "
@@ -43,15 +43,15 @@ def tickets(ctx) -> Result:
         prev, f = r, r.final
         acc, n_acc = _train_accuracy(r, ctx.params["train_rows"])
         if s == 0:
-            k, n = r.base["k"], r.base["n"]
+            k, n = r.base.heldout_correct, r.base.heldout_n
             lo, hi = wilson(k, n)
             rows.append({"seed": "base (adapter off)", "train loss": None, "train accuracy": None,
                          "held-out accuracy, Wilson 95%": f"{k / n:.3f} [{lo:.3f}, {hi:.3f}]",
                          "target probability": None, "preservation change": 0.0})
-        rows.append({"seed": s, "train loss": f["train_loss"], "train accuracy": acc,
-                     "held-out accuracy, Wilson 95%": _ci(f), "target probability": f["heldout_target_prob"],
-                     "preservation change": f["preservation_delta"], "_lo": f["heldout_acc_ci"][0],
-                     "_base": f["heldout_acc_base"], "_first": r.first_loss, "_n": f["heldout_n"]})
+        rows.append({"seed": s, "train loss": f.train_loss, "train accuracy": acc,
+                     "held-out accuracy, Wilson 95%": _ci(f), "target probability": f.heldout_target_prob,
+                     "preservation change": f.preservation_delta, "_lo": f.heldout_acc_ci[0],
+                     "_base": f.heldout_acc_base, "_first": r.first_loss, "_n": f.heldout_n})
     seeds = [x for x in rows if isinstance(x["seed"], int)]
     ex = [Expectation("every seed's training loss falls", ", ".join(f"{x['_first']:.2f} -> {x['train loss']:.3f}"
                                                                   for x in seeds),
@@ -63,7 +63,7 @@ def tickets(ctx) -> Result:
         for k in ("_lo", "_base", "_first", "_n"):
             x.pop(k)
     return Result(f"tickets: {ctx.seeds} seeds of the bundled task ({len(prev.train)} training rows, "
-                  f"{seeds and prev.final['heldout_n']} held-out)", list(rows[1]), rows, ex,
+                  f"{seeds and prev.final.heldout_n} held-out)", list(rows[1]), rows, ex,
                   notes=[f"train accuracy over {n_acc} of the {len(prev.train)} training rows, a fixed random "
                          f"sample (--set train_rows=0: every row)",
                          "target probability: the true label's probability renormalized within the label set "
@@ -87,9 +87,9 @@ def prompt_mask(ctx) -> Result:
         prev, f = r, r.final
         sup = sum(sum(1 for t in x.labels if t != -100) for x in r.train)
         rows.append({"loss on": "response only" if arm == "completion" else "every token",
-                     "supervised tokens": sup, "held-out loss": f["heldout_loss"],
-                     "held-out accuracy, Wilson 95%": _ci(f), "preservation change": f["preservation_delta"],
-                     "_first": r.first_loss, "_last": f["train_loss"]})
+                     "supervised tokens": sup, "held-out loss": f.heldout_loss,
+                     "held-out accuracy, Wilson 95%": _ci(f), "preservation change": f.preservation_delta,
+                     "_first": r.first_loss, "_last": f.train_loss})
     a, b = rows
     ratio = b["preservation change"] / a["preservation change"] if a["preservation change"] > 0 else None
     ex = [Expectation("both runs lower their own training loss", f"{a['_first']:.2f} -> {a['_last']:.3f}; "
@@ -131,7 +131,7 @@ def rehearsal(ctx) -> Result:
                 task = sample(r.train, p["task_rows"])
                 sc = r.held.scores(True, with_format=False)
                 marks.append({"weight": w, "step": r.step, "task loss": mean_loss(r.scorer.row_logprobs(task, True)),
-                              "held-out accuracy": sc["acc"], "preservation change": sc["pres"] - r.base["pres"],
+                              "held-out accuracy": sc.acc, "preservation change": sc.pres - r.base.preservation_loss,
                               "rehearsal text loss": mean_loss(r.scorer.row_logprobs(
                                   sample(r.rehearsal, p["rehearsal_rows"]), True))})
         r = train_run(ctx, f"weight-{w:g}", at_step=at, reuse=prev, final=False, objective="sft", tmkl=0.0,
@@ -194,17 +194,17 @@ def dpo_drift(ctx) -> Result:
             shutil.copyfile(prev.dir / "dpo_reference.json", r.dir / "dpo_reference.json")
         prev = r
         ev = dpo_stage(r)
-        h = ev["heldout"] or ev["train"]
+        h = ev.heldout or ev.train
         if ref == "none":            # drifts against the base need the base's log-probs: score them here
             h = _against_base(r, ev)
-        margin = h["chosen_drift"] - h["rejected_drift"]
-        share = -h["rejected_drift"] / margin if margin > 0 and h["rejected_drift"] < 0 else None
+        margin = h.chosen_drift - h.rejected_drift
+        share = -h.rejected_drift / margin if margin > 0 and h.rejected_drift < 0 else None
         losses = [x["dpo_loss"] - x["nll"] for x in r.dpo_history]      # the preference term (no NLL)
         rows.append({"run": f"seed {s}" if ref == "base" else "reference-free (control)",
-                     "loss first": losses[0], "loss last": losses[-1], "pair accuracy": h["pair_accuracy"],
-                     "margin improvement": h["margin_improvement"], "chosen drift": h["chosen_drift"],
-                     "rejected drift": h["rejected_drift"], "share from lowering rejected": share,
-                     "preservation change": ev.get("preservation_delta")})
+                     "loss first": losses[0], "loss last": losses[-1], "pair accuracy": h.pair_accuracy,
+                     "margin improvement": h.margin_improvement, "chosen drift": h.chosen_drift,
+                     "rejected drift": h.rejected_drift, "share from lowering rejected": share,
+                     "preservation change": ev.preservation_delta})
     seeded = rows[:-1]
     ex = [Expectation("with the base as reference, the first DPO preference loss is ln 2 (policy == reference)",
                       ", ".join(f"{x['loss first']:.6f}" for x in seeded),
