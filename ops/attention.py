@@ -16,7 +16,7 @@ from vkdsl import Tensor
 from vkdsl.autograd import grad
 from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.custom import CustomOp, custom
-from vkdsl.handwritten import build_kernel
+from vkdsl.handwritten import build_kernel, has_int64
 from vkdsl.tensor import ShapeError
 
 from .nn import causal_mask, softmax
@@ -48,14 +48,17 @@ def spans_mask(spans: Tensor) -> Tensor:
 
 def fused_applies(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
     """The kernels give each workgroup 64 queries (or keys) of one (batch, kv head): with a handful
-    of queries (decode) most lanes idle and the composite is faster. They load 8 floats at a time as
-    64-bit integers (D % 8 == 0, shaderInt64) and keep G = Hq / Hkv heads of D floats in registers."""
-    from vkdsl.handwritten import has_int64
-    from vkdsl.runtime import default_device
+    of queries (decode) most lanes idle and the composite is faster. They load 8 floats at a time (D %
+    8 == 0: as 64-bit integers with shaderInt64, else as two vec4: kernels/pack8.glsl) and keep G =
+    Hq / Hkv heads of D floats in registers."""
     B, Tq, Hq, D = q.shape
     return (Tq >= 16 and D % 8 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B and Hq % k.shape[2] == 0
-            and Hq // k.shape[2] <= 8 and v.shape == k.shape and (not causal or Tq == k.shape[1])
-            and has_int64(default_device()))
+            and Hq // k.shape[2] <= 8 and v.shape == k.shape and (not causal or Tq == k.shape[1]))
+
+
+def _defines(dev, D, G, **more) -> dict:
+    """The kernels' defines: head size, heads per kv head, and NO_INT64 where the device lacks it."""
+    return {"D": D, "G": G, **more, **({} if has_int64(dev) else {"NO_INT64": 1})}
 
 
 def attention_composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True) -> Tensor:
@@ -98,8 +101,8 @@ class FusedAttention(CustomOp):
 
     def record(self, rec, out, srcs):
         B, Tq, Tk, Hq, Hkv, D = self.dims
-        k = build_kernel(rec.device, "attention.comp", self.name, {"D": D, "G": Hq // Hkv}, 5, PUSH_SIZE,
-                         (64, 1, 1))
+        k = build_kernel(rec.device, "attention.comp", self.name, _defines(rec.device, D, Hq // Hkv), 5,
+                         PUSH_SIZE, (64, 1, 1))
         mask = srcs[3] if self.has_mask else srcs[0]      # an unused binding still needs a buffer
         groups = (-(-Tq // 64), Hkv, B)         # a workgroup = 64 queries of one (batch, kv head)
         rec.dispatch(k, [out, srcs[0], srcs[1], srcs[2], mask], groups,
@@ -147,7 +150,7 @@ class AttentionBackward(CustomOp):
         mask = srcs[-1] if self.has_mask else srcs[0]        # unused bindings still need a buffer
         bufs = [out] + [given.get(n, srcs[0]) if n else srcs[0] for n in names] + [mask]
         k = build_kernel(rec.device, "attention_backward.comp", self.name,
-                         {"D": D, "G": Hq // Hkv, "PASS": self.pass_}, 8, PUSH_SIZE, (64, 1, 1))
+                         _defines(rec.device, D, Hq // Hkv, PASS=self.pass_), 8, PUSH_SIZE, (64, 1, 1))
         groups = (-(-Tk // 128), Hkv, B) if self.pass_ == PASS_DKV else (-(-Tq // 64), Hkv, B)
         rec.dispatch(k, bufs, groups, struct.pack(PUSH, B, Tq, Tk, Hq, Hkv, int(self.causal),
                                                   int(self.has_mask), 1.0 / math.sqrt(D)))

@@ -13,13 +13,9 @@
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 layout(std430, binding = 0) writeonly buffer O_ { vec4 o_out[]; };
 layout(std430, binding = 1) readonly buffer Q_ { vec4 q_in[]; };
-#extension GL_ARB_gpu_shader_int64 : require
-layout(std430, binding = 2) readonly buffer K_ { u64vec4 k_in[]; };
-layout(std430, binding = 3) readonly buffer V_ { u64vec4 v_in[]; };
-void load8(u64vec4 c, out vec4 lo, out vec4 hi) {
-    lo = vec4(uintBitsToFloat(unpackUint2x32(c.x)), uintBitsToFloat(unpackUint2x32(c.y)));
-    hi = vec4(uintBitsToFloat(unpackUint2x32(c.z)), uintBitsToFloat(unpackUint2x32(c.w)));
-}
+#include "pack8.glsl"
+layout(std430, binding = 2) readonly buffer K_ { pack8 k_in[]; };
+layout(std430, binding = 3) readonly buffer V_ { pack8 v_in[]; };
 layout(std430, binding = 4) readonly buffer M_ { float mask[]; };
 layout(std430, binding = 4) readonly buffer R_ { uvec2 spans[]; };
 layout(push_constant) uniform AttnPush { uint B, Tq, Tk, Hq, Hkv, causal, has_mask; float scale; } ap;
@@ -54,7 +50,7 @@ void main() {
         const float add = ap.has_mask == 1u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
         if (j > mine || j < lo || add == NEG_INF) continue;      // a masked key adds nothing
         vec4 kj[D4];
-        [[unroll]] for (int d = 0; d < D4 / 2; d++) load8(k_in[kbase / 2 + d], kj[2 * d], kj[2 * d + 1]);
+        [[unroll]] for (int d = 0; d < D4 / 2; d++) unpack8(k_in[kbase / 2 + d], kj[2 * d], kj[2 * d + 1]);
         float p[G], corr[G];
         [[unroll]] for (int t = 0; t < G; t++) {
             vec4 acc = vec4(0.0);
@@ -67,7 +63,7 @@ void main() {
             m[t] = m_new;
         }
         vec4 vj[D4];
-        [[unroll]] for (int d = 0; d < D4 / 2; d++) load8(v_in[kbase / 2 + d], vj[2 * d], vj[2 * d + 1]);
+        [[unroll]] for (int d = 0; d < D4 / 2; d++) unpack8(v_in[kbase / 2 + d], vj[2 * d], vj[2 * d + 1]);
         [[unroll]] for (int d = 0; d < D4; d++) {
             [[unroll]] for (int t = 0; t < G; t++) o[t][d] = o[t][d] * corr[t] + p[t] * vj[d];
         }

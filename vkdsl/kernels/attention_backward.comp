@@ -15,7 +15,7 @@
 // passes 0 and 1 start at the workgroup's first query's row start, pass 2 stops at its last key's
 // row end. A query that sees no key gets lse = +inf, so its p is 0 (zero gradients).
 #extension GL_EXT_control_flow_attributes : require
-#extension GL_ARB_gpu_shader_int64 : require
+#include "pack8.glsl"
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 #if PASS == 0
 layout(std430, binding = 0) writeonly buffer Out_ { vec2 stats_out[]; };  // (B, Tq, Hq, 2)
@@ -23,25 +23,20 @@ layout(std430, binding = 0) writeonly buffer Out_ { vec2 stats_out[]; };  // (B,
 layout(std430, binding = 0) writeonly buffer Out_ { vec4 out4[]; };
 #endif
 layout(std430, binding = 1) readonly buffer Q_ { vec4 q_in[]; };
-layout(std430, binding = 2) readonly buffer K_ { u64vec4 k_in[]; };
-layout(std430, binding = 3) readonly buffer V_ { u64vec4 v_in[]; };
+layout(std430, binding = 2) readonly buffer K_ { pack8 k_in[]; };
+layout(std430, binding = 3) readonly buffer V_ { pack8 v_in[]; };
 layout(std430, binding = 4) readonly buffer G_ { vec4 g_in[]; };          // dO
 layout(std430, binding = 5) readonly buffer S_ { vec2 stats[]; };         // (lse, delta): passes 1, 2
 layout(std430, binding = 6) readonly buffer O_ { vec4 o_in[]; };          // the forward's output: pass 0
 layout(std430, binding = 7) readonly buffer M_ { float mask[]; };
 layout(std430, binding = 7) readonly buffer R_ { uvec2 spans[]; };
 // the same buffers as 8-float chunks, for the operands pass 2 streams
-layout(std430, binding = 1) readonly buffer Q8_ { u64vec4 q8[]; };
-layout(std430, binding = 4) readonly buffer G8_ { u64vec4 g8[]; };
+layout(std430, binding = 1) readonly buffer Q8_ { pack8 q8[]; };
+layout(std430, binding = 4) readonly buffer G8_ { pack8 g8[]; };
 layout(push_constant) uniform AttnPush { uint B, Tq, Tk, Hq, Hkv, causal, has_mask; float scale; } ap;
 
 const int D4 = D / 4, D8 = D / 8;
 const float NEG_INF = -1.0 / 0.0;
-
-void unpack8(u64vec4 c, out vec4 lo, out vec4 hi) {
-    lo = vec4(uintBitsToFloat(unpackUint2x32(c.x)), uintBitsToFloat(unpackUint2x32(c.y)));
-    hi = vec4(uintBitsToFloat(unpackUint2x32(c.z)), uintBitsToFloat(unpackUint2x32(c.w)));
-}
 
 float hsum(vec4 a) { return a.x + a.y + a.z + a.w; }
 
