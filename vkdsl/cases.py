@@ -316,11 +316,12 @@ def verify(pairs, repeat_warm: bool = True):
 
 def _call(case: Case, ins):
     """fn on the case's inputs: Tensors, or for a vkdsl.trace'd function its arrays (the traced program
-    is what runs). Gradients need the graph, so with grads a traced function's own body is called."""
+    is what runs). Gradients need the graph and a traced call takes arrays only, so with grads or
+    params a traced function's own body is called."""
     from .trace import Traced
     fn = case.fn
     if isinstance(fn, Traced):
-        if not case.grads:
+        if not case.grads and not case.params:
             res = fn(*[t.numpy() for t in ins], **case.params)
             return dict(res) if isinstance(res, dict) else res
         fn = fn.fn
