@@ -61,16 +61,24 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit,
     if all_profiles and _given("profile"):
         raise click.UsageError("--profile and --all-profiles: give one")
     if all_devices or all_profiles:
+        import tempfile
+        from vkdsl import cases as C
         from vkdsl.runtime.device import list_devices, select
         from vkdsl.runtime.profiles import PROFILES
-        one = select(device)
         devs = ([(str(d.index), f"[{d.index}] {d.name}") for d in list_devices()] if all_devices
-                else [(device, f"[{one.index}] {one.name}")])
+                else [(device, "[{0.index}] {0.name}".format(select(device)))])
         profs = [("none", "as it is")] + [(p, f"profile {p}") for p in PROFILES] if all_profiles else [(None, "")]
         targets = [Target(" / ".join(x for x in (dl, pl) if x), d, p) for d, dl in devs for p, pl in profs]
-        shared = ["--cases", spec, "--no-warm"] + (["--match", match] if match else []) + \
-            (["--golden", root] if root else [])
-        run_targets(targets, shared)
+        with tempfile.TemporaryDirectory(prefix="vkdsl-verify-") as tmp:
+            if root is None and spec != C.BUILTIN:      # the float64 references once, for every target
+                picked = [c for c in C.load(spec) if match is None or match in c.name]
+                if not picked:
+                    raise click.ClickException(f"{spec}: no case matches {match!r}")
+                C.make_goldens(picked, tmp)
+                root = tmp
+            shared = ["--cases", spec, "--no-warm"] + (["--match", match] if match else []) + \
+                (["--golden", root] if root else [])
+            run_targets(targets, shared)
         if as_json:
             for t in targets:
                 for r in t.rows:
