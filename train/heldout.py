@@ -117,9 +117,8 @@ class Heldout:
         """Calibration, format (with up to format_examples failures generated verbatim), slices and the
         label decisions of one scoring pass."""
         M, truth, fmt = sc.label_lp, sc.truth, sc.format
-        out = Surfaces(evidence.calibration(M, truth), evidence.slices(self.heldout, sc.held, range(len(truth)), M,
-                                                                       truth),
-                       [int(x) for x in M.argmax(1)] if len(truth) else [])
+        slices = evidence.slices(self.heldout, sc.held, range(len(truth)), M, truth)
+        out = Surfaces(evidence.calibration(M, truth), slices, [int(x) for x in M.argmax(1)] if len(truth) else [])
         if fmt:
             out.format_valid, out.format_n = float(np.mean(fmt)), len(fmt)
             shown = [j for j, f in enumerate(fmt) if not f][:self.cfg.format_examples]
