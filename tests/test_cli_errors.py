@@ -26,6 +26,22 @@ def test_a_device_that_is_not_there(setup):
     assert d.returncode != 0 and "Traceback" in d.stderr
 
 
+@pytest.mark.parametrize("icd, said", [
+    ({"file_format_version": "1.0.0", "ICD": {"library_path": "/nonexistent/libvk.so", "api_version": "1.3.0"}},
+     "its library_path /nonexistent/libvk.so does not exist"),
+    ("{not json", "not a Vulkan ICD file (expected JSON with ICD.library_path)"),
+    (None, "No such file or directory")], ids=["missing_library", "not_json", "no_file"])
+def test_a_broken_driver_file_is_one_line_naming_it(tmp_path, icd, said):
+    f = tmp_path / "driver.json"
+    if icd is not None:
+        f.write_text(icd if isinstance(icd, str) else json.dumps(icd))
+    p = vkdsl(["devices"], VK_ICD_FILENAMES=str(f))
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: vkCreateInstance failed with VK_ERROR_")
+    assert lines[0].endswith(f": {f}: {said}"), lines[0]
+
+
 def test_vkdsl_train_names_the_missing_device_before_loading_anything(setup, capsys, monkeypatch):
     monkeypatch.setenv("VKDSL_DEVICE", "nvidia")
     import vkdsl.runtime.context as ctx

@@ -150,6 +150,27 @@ def _validation_request():
     return mode
 
 
+def icd_problems() -> str:
+    """What is wrong with the driver files $VK_ICD_FILENAMES / $VK_DRIVER_FILES name ('' when nothing
+    is, or when neither is set): a missing or unreadable file, or a library_path that is not there."""
+    import json
+    names = os.environ.get("VK_DRIVER_FILES") or os.environ.get("VK_ICD_FILENAMES") or ""
+    bad = []
+    for name in filter(None, names.split(os.pathsep)):
+        try:
+            lib = json.loads(open(name).read())["ICD"]["library_path"]
+        except OSError as e:
+            bad.append(f"{name}: {e.strerror}")
+            continue
+        except (ValueError, KeyError, TypeError):
+            bad.append(f"{name}: not a Vulkan ICD file (expected JSON with ICD.library_path)")
+            continue
+        path = lib if os.path.isabs(lib) else os.path.join(os.path.dirname(os.path.abspath(name)), lib)
+        if ("/" in lib or os.path.isabs(lib)) and not os.path.exists(path):
+            bad.append(f"{name}: its library_path {lib} does not exist")
+    return "; ".join(bad)
+
+
 def instance():
     """The process-wide VkInstance (Vulkan 1.2: we need its driver-properties query)."""
     global _instance
@@ -164,7 +185,7 @@ def instance():
                     enabledValidationFeatureCount=1,
                     pEnabledValidationFeatures=[vk.VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT])
         _instance = vkcall(vk.vkCreateInstance, vk.VkInstanceCreateInfo(pApplicationInfo=app, **extra), None,
-                           detail="is a Vulkan driver installed (mesa-vulkan-drivers for the CPU)?")
+                           detail=icd_problems() or "is a Vulkan driver installed (mesa-vulkan-drivers for the CPU)?")
     return _instance
 
 
