@@ -16,12 +16,18 @@ def load_op_rows():
     import vkdsl.ops  # noqa: F401
 
 
+def picked_cases(spec, match=None) -> list:
+    """The cases of spec (a case file, or builtin) whose name contains match."""
+    from vkdsl import cases as C
+    load_op_rows()
+    return [c for c in C.load(spec) if match is None or match in c.name]
+
+
 def case_pairs(spec="builtin", match=None, root=None) -> list:
     """(case, arrays, stale note) of every case of spec whose name contains match: against the goldens
     in root (the installed ones for the built-in cases), else the float64 references computed here."""
     from vkdsl import cases as C
-    load_op_rows()
-    picked = [c for c in C.load(spec) if match is None or match in c.name]
+    picked = picked_cases(spec, match)
     if root is None and spec != C.BUILTIN:
         return C.with_references(picked)
     return C.with_goldens(picked, root)
@@ -71,7 +77,7 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit,
         targets = [Target(" / ".join(x for x in (dl, pl) if x), d, p) for d, dl in devs for p, pl in profs]
         with tempfile.TemporaryDirectory(prefix="vkdsl-verify-") as tmp:
             if root is None and spec != C.BUILTIN:      # the float64 references once, for every target
-                picked = [c for c in C.load(spec) if match is None or match in c.name]
+                picked = picked_cases(spec, match)
                 if not picked:
                     raise click.ClickException(f"{spec}: no case matches {match!r}")
                 C.make_goldens(picked, tmp)
@@ -122,7 +128,7 @@ def golden():
 def golden_make(spec, out, match):
     """Store each case's inputs and float64 reference outputs (sha256 manifest, vkdsl's golden format)."""
     from vkdsl import cases as C
-    picked = [c for c in C.load(spec) if match is None or match in c.name]
+    picked = picked_cases(spec, match)
     if not picked:
         raise click.ClickException(f"{spec}: no case matches {match!r}")
     man = C.make_goldens(picked, out)
