@@ -232,6 +232,14 @@ MUTANTS = [
     Mutant("stale_golden_accepted", "vkdsl/cases.py", 'return "stale golden: its inputs',
            'return "" if True else "stale golden: its inputs', ("tests/test_user_cases.py", "-k", "goldens_made"),
            "a golden whose inputs are not the case's generator's checked as if current"),
+    Mutant("delta_rule_reads_before_write", "ops/gated_delta.py", "QK = (qs @ kT) * decay",
+           "QK = (qs @ kT) * decay * _mask(C, -1)", ("tests/test_gated_delta.py", "-k", "chunked_on_the_device"),
+           "a step's output reads the state before its own write"),
+    Mutant("delta_rule_state_not_decayed", "ops/gated_delta.py", "keep[:, :, n].reshape(B, H, 1, 1) * S + write",
+           "S + write", ("tests/test_gated_delta.py", "-k", "chunked_on_the_device"),
+           "the state crosses a chunk boundary without the chunk's decay"),
+    Mutant("tri_inverse_gradient_untransposed", "ops/gated_delta.py", "t = node.transpose(-1, -2)", "t = node",
+           ("tests/test_gated_delta.py", "-k", "triangular"), "the solve's gradient uses T instead of T^T"),
 ]
 
 
