@@ -17,11 +17,11 @@ COMMANDS = ("tokenize", "logits", "generate", "merge", "info")
 def _load_model(model_path, quant="keep", adapter=None, force=False):
     from vkdsl.models import ModelFileError, load_model_files
     from vkdsl.models.default import default_model_path
-    from vkdsl.models.llama import Llama
+    from vkdsl.models.qwen35 import build_model
     try:
         path = model_path or default_model_path()
         ck, tok = load_model_files(path)
-        model = Llama(ck, quant=quant)
+        model = build_model(ck, quant=quant)
         if adapter:
             from vkdsl.models.adapters import load_adapter
             load_adapter(model, adapter, tok, force=force, model_path=path)
@@ -98,6 +98,9 @@ def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_
     from vkdsl.models.generate import Generator
     open_device(device)
     model, tok = _load_model(model_path, adapter=adapter, force=force)
+    if model.cfg.arch == "qwen35":
+        raise click.ClickException(f"{model.source}: generation with a qwen35 model is not built yet (its DeltaNet "
+                                   f"layers need a state cache); `vkdsl logits` runs it")
     ids = _prompt_ids(tok, prompt, chat, model.cfg.context_length)
     try:
         gen = Generator(model, len(ids) + max_new_tokens, kv_dtype={"f32": "float32", "f16": "float16"}[kv_cache])
@@ -160,7 +163,8 @@ def merge(device, model_path, adapter, out, out_type, compare_text, force, as_js
 
 
 FAMILY = {"llama": "Llama (SmolLM2, Llama 2/3.x)", "mistral": "Mistral (no sliding window)",
-          "qwen2": "Qwen2 / Qwen2.5 (q/k/v biases)", "qwen3": "Qwen3 (per-head q/k RMSNorm)"}
+          "qwen2": "Qwen2 / Qwen2.5 (q/k/v biases)", "qwen3": "Qwen3 (per-head q/k RMSNorm)",
+          "qwen35": "Qwen3.5 (Gated DeltaNet and gated attention)"}
 
 
 @click.command()
@@ -180,7 +184,7 @@ def info(device, model_path, as_json):
     if as_json:
         click.echo(json.dumps(row, default=str))
     else:
-        d = row.pop("rope_freq_divisors")
+        d = row.pop("rope_freq_divisors", None)
         row["rope_scaling"] = (f"{len(d)} frequency divisors, {min(d):g} .. {max(d):g} (Llama 3 style)" if d
                                else "none")
         row["stored_types"] = ", ".join(f"{t} x{n}" for t, n in row["stored_types"].items())

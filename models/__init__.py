@@ -5,9 +5,11 @@ No Vulkan here: the device forward pass is built on top of these records.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+from . import qwen35_files
 from .config import LlamaConfig
 from .errors import ModelFileError
 from .gguf_loader import config_from_gguf, load_gguf, open_gguf
@@ -17,12 +19,25 @@ from .tensors import SUPPORTED_TYPES, LlamaCheckpoint, TensorRecord, expected_sh
 from .tokenizer import Tokenizer, load_tokenizer
 
 
+def _load_folder(path) -> LlamaCheckpoint:
+    """A Hugging Face folder of either computation: Qwen3.5's hybrid or the Llama family's."""
+    config = Path(path) / "config.json"
+    if config.is_file():
+        try:
+            raw = json.loads(config.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ModelFileError(f"{config}: not JSON ({e})") from None
+        if isinstance(raw, dict) and qwen35_files.is_qwen35(raw):
+            return qwen35_files.load_hf(Path(path), raw, config)
+    return load_hf(path)
+
+
 def load_checkpoint(path: str | os.PathLike) -> LlamaCheckpoint:
     """A .gguf file or a Hugging Face folder (config.json + safetensors)."""
     if Path(path).is_file() and Path(path).suffix == ".safetensors":
         raise ModelFileError(f"{path}: a bare .safetensors file holds weights only; pass the Hugging Face folder "
                              f"that holds it with config.json")
-    return load_hf(path) if Path(path).is_dir() else load_gguf(path)
+    return _load_folder(path) if Path(path).is_dir() else load_gguf(path)
 
 
 def load_model_files(path: str | os.PathLike) -> tuple[LlamaCheckpoint, Tokenizer]:
@@ -31,7 +46,7 @@ def load_model_files(path: str | os.PathLike) -> tuple[LlamaCheckpoint, Tokenize
         raise ModelFileError(f"{path}: a bare .safetensors file holds weights only; pass the Hugging Face folder "
                              f"that holds it with config.json and tokenizer.json")
     if Path(path).is_dir():
-        ck = load_hf(path)
+        ck = _load_folder(path)
         return ck, load_tokenizer(path, expected_vocab=ck.config.vocab_size)
     reader = open_gguf(path)
     ck = load_gguf(path, reader)

@@ -22,6 +22,7 @@ from vkdsl.runtime import default_device
 from vkdsl.ops import attention, nn
 
 from .config import LINEARS, LlamaConfig
+from .errors import ModelFileError
 from .tensors import LlamaCheckpoint
 from .weights import binding_limit, device_weight, planned_bytes
 
@@ -74,6 +75,9 @@ class Llama:
     def __init__(self, ckpt: LlamaCheckpoint, quant: str = "keep"):
         """quant: 'keep' keeps each tensor's stored block format (GGUF Q4_0/Q4_1/Q8_0 stay packed);
         'none' dequantizes to fp32; 'int4' / 'nf4' quantize dense weights on load."""
+        if not isinstance(ckpt.config, LlamaConfig):
+            raise ModelFileError(f"{ckpt.source}: a {ckpt.config.arch} model; so far vkdsl runs it in "
+                                 f"`vkdsl logits` only (training, generation and merging come next)")
         self.cfg: LlamaConfig = ckpt.config
         self.source, self.format = ckpt.source, ckpt.format
         self.stored_types = dict(Counter(r.ggml_type for r in ckpt.tensors.values()).most_common())

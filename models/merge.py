@@ -112,13 +112,13 @@ def _merge_gguf(model_path: Path, cfg, aw, out_path: Path, out_type: str, report
 
 
 def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: dict) -> None:
-    from .safetensors_loader import (_weight_files, gguf_name_to_hf, hf_name_to_gguf, read_safetensors,
+    from .safetensors_loader import (weight_files, gguf_name_to_hf, hf_name_to_gguf, read_safetensors,
                                      as_f32, safetensors_bytes)
     if out_path.exists() and not out_path.is_dir():
         raise ModelFileError(f"{out_path}: exists and is not a folder (a HF base merges into a folder)")
     out_path.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for file in _weight_files(model_path):
+    for file in weight_files(model_path):
         for hf_name, (dtype, shape, raw) in read_safetensors(file).items():
             arr = as_f32(dtype, raw, shape)
             g = hf_name_to_gguf(hf_name)

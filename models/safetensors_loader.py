@@ -171,7 +171,8 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
     than Qwen2's q/k/v ones, another activation) is refused by field name."""
     kind = cfg.get("model_type")
     if kind not in _HF_ARCHS:
-        raise ModelFileError(f"{path}: model_type is {kind!r}; supported: {', '.join(map(repr, _HF_ARCHS))}")
+        raise ModelFileError(f"{path}: model_type is {kind!r}; supported: "
+                             f"{', '.join(map(repr, [*_HF_ARCHS, 'qwen3_5_text', 'qwen3_5']))}")
     _check_types(cfg, path)
     context = int(cfg.get("max_position_embeddings", 2048))
     window = cfg.get("sliding_window")
@@ -275,7 +276,7 @@ def _rope(cfg: dict, path: Path) -> tuple[float, tuple | None]:
                                          int(params["original_max_position_embeddings"]))
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -294,7 +295,7 @@ def load_hf(folder: str | os.PathLike) -> LlamaCheckpoint:
         raise ModelFileError(f"{folder}: no config.json")
     cfg = config_from_hf(json.loads(config_path.read_text()), config_path)
     tensors: dict[str, TensorRecord] = {}
-    for file in _weight_files(folder):
+    for file in weight_files(folder):
         for hf_name, (dtype, shape, raw) in read_safetensors(file).items():
             name = hf_name_to_gguf(hf_name)
             if name is None:

@@ -240,6 +240,20 @@ MUTANTS = [
            "the state crosses a chunk boundary without the chunk's decay"),
     Mutant("tri_inverse_gradient_untransposed", "ops/gated_delta.py", "t = node.transpose(-1, -2)", "t = node",
            ("tests/test_gated_delta.py", "-k", "triangular"), "the solve's gradient uses T instead of T^T"),
+    Mutant("qwen35_norm_not_centred", "models/qwen35_files.py", "(np.asarray(w, np.float64) + 1.0)",
+           "(np.asarray(w, np.float64) + 0.0)", ("tests/test_qwen35.py", "-k", "transformers_computation"),
+           "Qwen3.5's zero-centred RMSNorm weights used as gains, not 1 + w"),
+    Mutant("qwen35_gate_and_query_swapped", "models/qwen35.py", "q, gate = qg[..., :D], qg[..., D:]",
+           "gate, q = qg[..., :D], qg[..., D:]", ("tests/test_qwen35.py", "-k", "transformers_computation"),
+           "the full-attention output gate read from the query's half of q_proj"),
+    Mutant("qwen35_value_heads_tiled", "models/qwen35.py",
+           "t.reshape(B, T, Hk, 1, dk).expand((B, T, Hk, Hv // Hk, dk))",
+           "t.reshape(B, T, 1, Hk, dk).expand((B, T, Hv // Hk, Hk, dk))",
+           ("tests/test_qwen35.py", "-k", "transformers_computation"),
+           "key heads tiled over the value heads instead of each serving consecutive ones"),
+    Mutant("qwen35_conv_taps_reversed", "models/qwen35.py", "term = xp[:, j:j + T] * w[:, j]",
+           "term = xp[:, j:j + T] * w[:, K - 1 - j]", ("tests/test_qwen35.py", "-k", "transformers_computation"),
+           "the causal convolution's taps applied in reverse time order"),
 ]
 
 

@@ -1,0 +1,195 @@
+"""Qwen3.5's forward pass on the device, from vkdsl ops: three of every four layers mix tokens with
+a Gated DeltaNet (ops/gated_delta.py), the others with gated full attention; every layer then has
+the SwiGLU MLP. The same interface as models.llama.Llama for what the forward, the logits and
+LoRA need (cfg, lora, forward, head, logit_rows, device_bytes).
+
+Gated DeltaNet layer (transformers' Qwen3_5GatedDeltaNet):
+  qkv = causal depthwise conv (kernel 4) of in_proj_qkv(x), then SiLU; split into q, k (key heads)
+  and v (value heads); q, k L2-normalized per head; beta = sigmoid(in_proj_b(x)),
+  g = A * softplus(in_proj_a(x) + dt_bias) (A < 0); o = gated delta rule(q, k, v, g, beta);
+  out_proj(RMSNorm(o) * w * SiLU(in_proj_z(x))), the norm per value head.
+Full-attention layer: q_proj gives each head's query and its output gate side by side; q and k
+get a per-head RMSNorm, then RoPE on their first rotary_dim features (halves rotated, as
+transformers' rotate_half); the attention output is multiplied by sigmoid(gate) before o_proj."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+import vkdsl
+from vkdsl import Tensor
+from vkdsl.autograd import checkpoint as checkpoint_fn
+from vkdsl.ops import attention, gated_delta, nn
+from vkdsl.realize import depends_on
+from vkdsl.runtime import default_device
+
+from .llama import AdapterTable, Llama
+from .qwen35_files import Qwen35Config
+from .tensors import LlamaCheckpoint
+from .weights import binding_limit, device_weight, planned_bytes
+
+CHUNK = 64          # the delta rule's chunk length in training and prompts
+
+
+def softplus(x: Tensor) -> Tensor:
+    """log(1 + e^x) without overflow: max(x, 0) + log(1 + e^-|x|)."""
+    return x.maximum(0.0) + ((-x).minimum(x).exp() + 1.0).log()
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * ((x * x).sum(-1, keepdim=True) + eps).rsqrt()
+
+
+def causal_conv(x: Tensor, w: Tensor) -> Tensor:
+    """Depthwise causal convolution over time: x (B, T, C), w (C, K): y_t = sum_j w_j x_{t-K+1+j}."""
+    B, T, C = x.shape
+    K = w.shape[1]
+    xp = x.pad(((0, 0), (K - 1, 0), (0, 0)))
+    y = None
+    for j in range(K):
+        term = xp[:, j:j + T] * w[:, j]
+        y = term if y is None else y + term
+    return y
+
+
+def rope_halves(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
+    """RoPE on the first `rot` features of each head, the two halves of them rotated together
+    (transformers' rotate_half); the rest pass. x (B, T, H, D); cos, sin (T, rot / 2)."""
+    B, T, H, D = x.shape
+    h = rot // 2
+    c, s = cos.reshape(T, 1, h), sin.reshape(T, 1, h)
+    x1, x2 = x[..., :h], x[..., h:rot]
+    parts = [x1 * c - x2 * s, x2 * c + x1 * s] + ([x[..., rot:]] if rot < D else [])
+    return gated_delta._concat(parts, 3)
+
+
+class Qwen35:
+    def __init__(self, ckpt: LlamaCheckpoint, quant: str = "keep"):
+        self.cfg: Qwen35Config = ckpt.config
+        self.source, self.format = ckpt.source, ckpt.format
+        self.stored_types = dict(Counter(r.ggml_type for r in ckpt.tensors.values()).most_common())
+        c = self.cfg
+        need = sum(planned_bytes(ckpt[n], quant) for n in ckpt.tensors)
+        default_device().reserve(need, f"model {Path(str(ckpt.source)).name} (quant {quant})")
+        self.linear = {f"blk.{i}.{m}": device_weight(ckpt[f"blk.{i}.{m}.weight"], quant)
+                       for i in range(c.n_layers) for m in c.linears(i)}
+        matrices = {n + ".weight" for n in self.linear} | {"token_embd.weight", "output.weight"}
+        self.vector = {n: vkdsl.tensor(ckpt[n].dequantize(), name=n)      # norms, conv, dt, A
+                       for n in ckpt.tensors if n not in matrices}
+        self.embed = device_weight(ckpt["token_embd.weight"], quant)
+        self.head = device_weight(ckpt["output.weight"], quant) if "output.weight" in ckpt.tensors \
+            else self.embed.as_linear()
+        self._lora = AdapterTable()
+        cos, sin = nn.rope_tables(np.arange(c.context_length), c.rotary_dim, c.rope_base)
+        self._cos, self._sin = vkdsl.tensor(cos, name="rope_cos"), vkdsl.tensor(sin, name="rope_sin")
+
+    @property
+    def lora(self) -> AdapterTable:
+        return self._lora
+
+    @lora.setter
+    def lora(self, table):
+        self._lora = AdapterTable(table)
+
+    @property
+    def logit_rows(self) -> int:
+        return max(1, min(256, min(48 << 20, binding_limit()) // (4 * self.cfg.vocab_size)))
+
+    def device_bytes(self) -> dict:
+        ws = list(self.linear.values()) + [self.embed] + ([self.head] if self.head is not self.embed else [])
+        dev = sum(w.device_bytes for w in ws) + sum(t.buffer.nbytes for t in self.vector.values())
+        fp32 = sum(w.fp32_bytes for w in ws) + sum(t.size * 4 for t in self.vector.values())
+        return {"device_bytes": dev, "fp32_bytes": fp32}
+
+    def _lin(self, name, x, adapters_on):
+        y = self.linear[name](x)
+        lo = self.lora.get(name)
+        return y + lo.delta(x) if (lo is not None and adapters_on) else y
+
+    def _adapter_tensors(self, layers, adapters_on):
+        los = [self.lora.get(f"blk.{i}.{m}") for i in layers for m in self.cfg.linears(i)] if adapters_on else []
+        return [t for lo in los if lo is not None for t in (lo.A, lo.B)]
+
+    def _full_attention(self, p, h, B, T, adapters_on, cos, sin):
+        c = self.cfg
+        H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
+        qg = self._lin(p + "attn_q", h, adapters_on).reshape(B, T, H, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:]
+        k = self._lin(p + "attn_k", h, adapters_on).reshape(B, T, KV, D)
+        v = self._lin(p + "attn_v", h, adapters_on).reshape(B, T, KV, D)
+        q = rope_halves(nn.rmsnorm(q, self.vector[p + "attn_q_norm.weight"], c.norm_eps), cos, sin, c.rotary_dim)
+        k = rope_halves(nn.rmsnorm(k, self.vector[p + "attn_k_norm.weight"], c.norm_eps), cos, sin, c.rotary_dim)
+        a = attention.attention(q, k, v) * nn.sigmoid(gate)
+        return self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on)
+
+    def _delta_net(self, p, h, B, T, adapters_on):
+        c = self.cfg
+        Hk, Hv, dk, dv = c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
+        mixed = self._lin(p + "attn_qkv", h, adapters_on).reshape(B, T, c.conv_dim)
+        mixed = nn.silu(causal_conv(mixed, self.vector[p + "ssm_conv1d.weight"]))
+        q = l2norm(mixed[..., :Hk * dk].reshape(B, T, Hk, dk))
+        k = l2norm(mixed[..., Hk * dk:2 * Hk * dk].reshape(B, T, Hk, dk))
+        v = mixed[..., 2 * Hk * dk:].reshape(B, T, Hv, dv)
+        if Hv > Hk:             # each key head serves Hv // Hk consecutive value heads
+            q, k = (t.reshape(B, T, Hk, 1, dk).expand((B, T, Hk, Hv // Hk, dk)).reshape(B, T, Hv, dk)
+                    for t in (q, k))
+        beta = nn.sigmoid(self._lin(p + "ssm_beta", h, adapters_on)).reshape(B, T, Hv)
+        a = self._lin(p + "ssm_alpha", h, adapters_on).reshape(B, T, Hv)
+        g = softplus(a + self.vector[p + "ssm_dt.bias"]) * self.vector[p + "ssm_a"]
+        o, _ = gated_delta.chunked(q, k, v, g, beta, chunk=CHUNK)
+        z = self._lin(p + "attn_gate", h, adapters_on).reshape(B, T, Hv, dv)
+        o = nn.rmsnorm(o, self.vector[p + "ssm_norm.weight"], c.norm_eps) * nn.silu(z)
+        return self._lin(p + "ssm_out", o.reshape(B * T, Hv * dv), adapters_on)
+
+    def _layer(self, i, x, adapters_on, cos, sin):
+        c = self.cfg
+        B, T = x.shape[:2]
+        p = f"blk.{i}."
+        h = nn.rmsnorm(x, self.vector[p + "attn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
+        if c.layer_types[i] == "full_attention":
+            mixed = self._full_attention(p, h, B, T, adapters_on, cos, sin)
+        else:
+            mixed = self._delta_net(p, h, B, T, adapters_on)
+        x = x + mixed.reshape(B, T, c.dim)
+        h = nn.rmsnorm(x, self.vector[p + "post_attention_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
+        f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
+        return x + self._lin(p + "ffn_down", f, adapters_on).reshape(B, T, c.dim)
+
+    def forward(self, ids: Tensor, adapters_on: bool = True, hidden_only: bool = False, start: int = 0,
+                stop: int | None = None, checkpoint: int = 0, **unsupported) -> Tensor:
+        """ids (B, T) int32 -> logits (B, T, vocab); start / stop / checkpoint as Llama.forward.
+        Packed rows, masks and the generation cache are not built for this family yet."""
+        given = sorted(k for k, v in unsupported.items() if v is not None)
+        if given:
+            raise ValueError(f"Qwen3.5: {', '.join(given)} not supported yet (packed rows, masks and the "
+                             f"generation cache of the DeltaNet layers are still to come)")
+        c = self.cfg
+        B, T = ids.shape[:2]
+        depends_on(lambda: self.lora.version)
+        if T > c.context_length:
+            raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
+        cos, sin = self._cos[:T], self._sin[:T]
+        x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
+        end = c.n_layers if stop is None else stop
+        K = checkpoint
+        for g0 in range(start, end, K or max(1, end - start)):
+            group = range(g0, min(end, g0 + K) if K else end)
+
+            def blocks(x, group=group):
+                for i in group:
+                    x = self._layer(i, x, adapters_on, cos, sin)
+                return x
+            x = checkpoint_fn(blocks, x, self._adapter_tensors(group, adapters_on)) if K else blocks(x)
+        if stop is not None:
+            return x
+        x = nn.rmsnorm(x, self.vector["output_norm.weight"], c.norm_eps)
+        if hidden_only:
+            return x
+        return self.head(x.reshape(B * T, c.dim)).reshape(B, T, c.vocab_size)
+
+
+def build_model(ckpt: LlamaCheckpoint, quant: str = "keep"):
+    """The device model of a checkpoint's family: Qwen3.5's hybrid, else the Llama family's."""
+    return Qwen35(ckpt, quant) if ckpt.config.arch == "qwen35" else Llama(ckpt, quant)
