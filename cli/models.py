@@ -17,7 +17,7 @@ COMMANDS = ("tokenize", "logits", "generate", "merge", "info")
 def _load_model(model_path, quant="keep", adapter=None, force=False):
     from vkdsl.models import ModelFileError, load_model_files
     from vkdsl.models.default import default_model_path
-    from vkdsl.models.qwen35 import build_model
+    from vkdsl.models.build import build_model
     try:
         path = model_path or default_model_path()
         ck, tok = load_model_files(path)

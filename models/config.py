@@ -10,6 +10,10 @@ from .errors import ModelFileError
 
 # The linear modules of a layer, in the order a layer computes them (GGUF names).
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# Qwen3.5's Gated DeltaNet projections (llama.cpp's qwen35 names): every linear module of any
+# family, in the order a layer computes them, is MODULES.
+DELTANET_LINEARS = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
+MODULES = LINEARS[:4] + DELTANET_LINEARS + LINEARS[4:]
 
 # Families that share Llama's computation, and what each adds to it. Mistral (no sliding window)
 # is Llama's computation under another name; its GGUF files say "llama".
@@ -90,6 +94,10 @@ class LlamaConfig:
     @property
     def gguf_pairs(self) -> bool:
         return ARCHS[self.arch]["gguf_pairs"]
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.head_dim        # RoPE turns every feature of a head (Qwen3.5 turns fewer)
 
     @property
     def q_dim(self) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -60,6 +61,40 @@ class KVCache:
         return k_all.float(), v_all.float(), False
 
 
+class StateCache:
+    """Qwen3.5's caches: keys and values of its full-attention layers (a KVCache over those), and
+    for each Gated DeltaNet layer the last K-1 inputs of its convolution and its recurrent state.
+    During a prompt `valid` (T,) marks its real tokens and `tail` (K-1, T) picks its last K-1."""
+
+    def __init__(self, cfg, length: int, dtype: str = "float32"):
+        self.full = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+        self.kv = KVCache(SimpleNamespace(n_layers=len(self.full), n_kv_heads=cfg.n_kv_heads,
+                                          head_dim=cfg.head_dim), length, dtype)
+        linear = [i for i in range(cfg.n_layers) if i not in self.full]
+        shape = (1, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim)
+        self.conv = {i: vkdsl.tensor(np.zeros((1, cfg.conv_kernel - 1, cfg.conv_dim), np.float32), name=f"conv{i}")
+                     for i in linear}
+        self.state = {i: vkdsl.tensor(np.zeros(shape, np.float32), name=f"state{i}") for i in linear}
+        self.L, self.K = length, cfg.conv_kernel
+        self.onehot = self.valid = self.tail = None
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes() + sum(t.buffer.nbytes for t in [*self.conv.values(), *self.state.values()])
+
+    def layer(self, i, k, v):
+        self.kv.onehot = self.onehot
+        return self.kv.layer(self.full.index(i), k, v)
+
+    def prompt_inputs(self, T: int, Tb: int) -> tuple[np.ndarray, np.ndarray]:
+        valid = (np.arange(Tb) < T).astype(np.float32)
+        tail = np.zeros((self.K - 1, Tb), np.float32)
+        for r in range(self.K - 1):
+            t = T - (self.K - 1) + r
+            if t >= 0:
+                tail[r, t] = 1.0
+        return valid, tail
+
+
 class Generator:
     def __init__(self, model, max_len: int, kv_dtype: str = "float32"):
         self.model, self.cfg = model, model.cfg
@@ -67,11 +102,12 @@ class Generator:
             raise ValueError(f"prompt + new tokens = {max_len} exceed the model's context of "
                              f"{self.cfg.context_length} tokens")
         self.L = min(self.cfg.context_length, BUCKET * math.ceil(max_len / BUCKET))
-        self.cache = KVCache(self.cfg, self.L, kv_dtype)
         c = self.cfg
+        self.cache = (StateCache if c.arch == "qwen35" else KVCache)(c, self.L, kv_dtype)
 
-        def prefill(ids):                                   # ids (1, Tb) -> final hidden states
+        def prefill(ids, valid, tail):                      # ids (1, Tb) -> final hidden states
             self.cache.onehot = None
+            self.cache.valid, self.cache.tail = valid, tail  # read by a StateCache only
             return self.model.forward(ids, kv=self.cache, hidden_only=True)
 
         def step(ids, cos, sin, onehot, mask):             # ids (1, 1); onehot, mask (L,)
@@ -79,7 +115,7 @@ class Generator:
             return self.model.forward(ids, cos=cos, sin=sin, kv=self.cache, mask=mask.reshape(1, 1, self.L))
         self._prefill, self._step = vkdsl.trace(prefill), vkdsl.trace(step)
         self._head = vkdsl.trace(lambda h: self.model.head(h))
-        cos, sin = nn.rope_tables(np.arange(self.L), c.head_dim, c.rope_base, c.rope_freq_divisors)
+        cos, sin = nn.rope_tables(np.arange(self.L), c.rotary_dim, c.rope_base, c.rope_freq_divisors)
         self._cos, self._sin = cos, sin
 
     def logits_prefill(self, ids: list[int], last_only: bool = False) -> np.ndarray:
@@ -88,7 +124,9 @@ class Generator:
         Tb = min(self.L, BUCKET * math.ceil(T / BUCKET))
         padded = np.zeros((1, Tb), np.int32)
         padded[0, :T] = ids                                 # right padding: causal rows < T never see it
-        h = np.asarray(self._prefill(padded))[0]           # (Tb, dim)
+        valid, tail = (self.cache.prompt_inputs(T, Tb) if isinstance(self.cache, StateCache) else
+                       (np.zeros(1, np.float32), np.zeros((1, 1), np.float32)))
+        h = np.asarray(self._prefill(padded, valid, tail))[0]           # (Tb, dim)
         if last_only:
             return self._head(h[T - 1:T])
         return head_in_chunks(self._head, h, self.model.logit_rows)[:T]

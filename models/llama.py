@@ -110,6 +110,11 @@ class Llama:
         self._lora = AdapterTable(table)
 
     @property
+    def vector(self) -> dict:
+        """The weights that are no matrices (norms, biases), by name."""
+        return {**self.norm, **{n + ".bias": t for n, t in self.bias.items()}}
+
+    @property
     def logit_rows(self) -> int:
         """Rows of logits per head call: 256 rows of SmolLM2's 49k vocabulary (48 MiB), fewer for a
         larger one, so a program's vocabulary-wide temporaries stay that size (a 152k vocabulary's

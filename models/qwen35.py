@@ -25,7 +25,7 @@ from vkdsl.ops import attention, gated_delta, nn
 from vkdsl.realize import depends_on
 from vkdsl.runtime import default_device
 
-from .llama import AdapterTable, Llama
+from .llama import AdapterTable
 from .qwen35_files import Qwen35Config
 from .tensors import LlamaCheckpoint
 from .weights import binding_limit, device_weight, planned_bytes
@@ -112,7 +112,7 @@ class Qwen35:
         los = [self.lora.get(f"blk.{i}.{m}") for i in layers for m in self.cfg.linears(i)] if adapters_on else []
         return [t for lo in los if lo is not None for t in (lo.A, lo.B)]
 
-    def _full_attention(self, p, h, B, T, adapters_on, cos, sin):
+    def _full_attention(self, i, p, h, B, T, adapters_on, cos, sin, kv, mask):
         c = self.cfg
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
         qg = self._lin(p + "attn_q", h, adapters_on).reshape(B, T, H, 2 * D)
@@ -121,14 +121,32 @@ class Qwen35:
         v = self._lin(p + "attn_v", h, adapters_on).reshape(B, T, KV, D)
         q = rope_halves(nn.rmsnorm(q, self.vector[p + "attn_q_norm.weight"], c.norm_eps), cos, sin, c.rotary_dim)
         k = rope_halves(nn.rmsnorm(k, self.vector[p + "attn_k_norm.weight"], c.norm_eps), cos, sin, c.rotary_dim)
-        a = attention.attention(q, k, v) * nn.sigmoid(gate)
+        if kv is not None:
+            k, v, causal = kv.layer(i, k, v)       # generation: the cache's keys and values
+            a = attention.attention(q, k, v, mask=mask, causal=causal)
+        else:
+            a = attention.attention(q, k, v)
+        a = a * nn.sigmoid(gate)
         return self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on)
 
-    def _delta_net(self, p, h, B, T, adapters_on):
+    def _delta_net(self, i, p, h, B, T, adapters_on, cache):
+        """cache (generation, models.generate.StateCache): a prompt leaves the last K-1 conv inputs
+        and the state after its last real token there (padding steps get g = 0, beta = 0: they
+        leave the state as it is); a single new token continues from them."""
         c = self.cfg
         Hk, Hv, dk, dv = c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim
+        step = cache is not None and cache.onehot is not None
         mixed = self._lin(p + "attn_qkv", h, adapters_on).reshape(B, T, c.conv_dim)
-        mixed = nn.silu(causal_conv(mixed, self.vector[p + "ssm_conv1d.weight"]))
+        w = self.vector[p + "ssm_conv1d.weight"]
+        if step:
+            window = gated_delta._concat([cache.conv[i], mixed], 1)               # (1, K, channels)
+            conv = causal_conv(window, w)[:, c.conv_kernel - 1:]
+            cache.conv[i].assign(window[:, 1:])
+        else:
+            conv = causal_conv(mixed, w)
+            if cache is not None:
+                cache.conv[i].assign((cache.tail @ mixed.reshape(T, c.conv_dim)).reshape(1, -1, c.conv_dim))
+        mixed = nn.silu(conv)
         q = l2norm(mixed[..., :Hk * dk].reshape(B, T, Hk, dk))
         k = l2norm(mixed[..., Hk * dk:2 * Hk * dk].reshape(B, T, Hk, dk))
         v = mixed[..., 2 * Hk * dk:].reshape(B, T, Hv, dv)
@@ -138,48 +156,56 @@ class Qwen35:
         beta = nn.sigmoid(self._lin(p + "ssm_beta", h, adapters_on)).reshape(B, T, Hv)
         a = self._lin(p + "ssm_alpha", h, adapters_on).reshape(B, T, Hv)
         g = softplus(a + self.vector[p + "ssm_dt.bias"]) * self.vector[p + "ssm_a"]
-        o, _ = gated_delta.chunked(q, k, v, g, beta, chunk=CHUNK)
+        if step:
+            o, state = gated_delta.recurrent(q, k, v, g, beta, state=cache.state[i])
+        elif cache is not None:
+            valid = cache.valid.reshape(1, T, 1)
+            o, state = gated_delta.chunked(q, k, v, g * valid, beta * valid, chunk=CHUNK)
+        else:
+            o, state = gated_delta.chunked(q, k, v, g, beta, chunk=CHUNK)
+        if cache is not None:
+            cache.state[i].assign(state)
         z = self._lin(p + "attn_gate", h, adapters_on).reshape(B, T, Hv, dv)
         o = nn.rmsnorm(o, self.vector[p + "ssm_norm.weight"], c.norm_eps) * nn.silu(z)
         return self._lin(p + "ssm_out", o.reshape(B * T, Hv * dv), adapters_on)
 
-    def _layer(self, i, x, adapters_on, cos, sin):
+    def _layer(self, i, x, adapters_on, cos, sin, kv=None, mask=None):
         c = self.cfg
         B, T = x.shape[:2]
         p = f"blk.{i}."
         h = nn.rmsnorm(x, self.vector[p + "attn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
         if c.layer_types[i] == "full_attention":
-            mixed = self._full_attention(p, h, B, T, adapters_on, cos, sin)
+            mixed = self._full_attention(i, p, h, B, T, adapters_on, cos, sin, kv, mask)
         else:
-            mixed = self._delta_net(p, h, B, T, adapters_on)
+            mixed = self._delta_net(i, p, h, B, T, adapters_on, kv)
         x = x + mixed.reshape(B, T, c.dim)
         h = nn.rmsnorm(x, self.vector[p + "post_attention_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
         f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
         return x + self._lin(p + "ffn_down", f, adapters_on).reshape(B, T, c.dim)
 
-    def forward(self, ids: Tensor, adapters_on: bool = True, hidden_only: bool = False, start: int = 0,
-                stop: int | None = None, checkpoint: int = 0, **unsupported) -> Tensor:
-        """ids (B, T) int32 -> logits (B, T, vocab); start / stop / checkpoint as Llama.forward.
-        Packed rows, masks and the generation cache are not built for this family yet."""
-        given = sorted(k for k, v in unsupported.items() if v is not None)
-        if given:
-            raise ValueError(f"Qwen3.5: {', '.join(given)} not supported yet (packed rows, masks and the "
-                             f"generation cache of the DeltaNet layers are still to come)")
+    def forward(self, ids: Tensor, adapters_on: bool = True, cos=None, sin=None, kv=None, mask=None,
+                hidden_only: bool = False, start: int = 0, stop: int | None = None, checkpoint: int = 0,
+                positions=None, spans=None) -> Tensor:
+        """ids (B, T) int32 -> logits (B, T, vocab); the arguments as Llama.forward's (kv: a
+        models.generate.StateCache). Packed rows (positions, spans) are not built for this family yet."""
+        if positions is not None or spans is not None:
+            raise ValueError("Qwen3.5: packed rows are not supported yet (train with pack = false)")
         c = self.cfg
         B, T = ids.shape[:2]
         depends_on(lambda: self.lora.version)
         if T > c.context_length:
             raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
-        cos, sin = self._cos[:T], self._sin[:T]
+        if cos is None:
+            cos, sin = self._cos[:T], self._sin[:T]
         x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
         end = c.n_layers if stop is None else stop
-        K = checkpoint
+        K = checkpoint if kv is None else 0
         for g0 in range(start, end, K or max(1, end - start)):
             group = range(g0, min(end, g0 + K) if K else end)
 
             def blocks(x, group=group):
                 for i in group:
-                    x = self._layer(i, x, adapters_on, cos, sin)
+                    x = self._layer(i, x, adapters_on, cos, sin, kv, mask)
                 return x
             x = checkpoint_fn(blocks, x, self._adapter_tensors(group, adapters_on)) if K else blocks(x)
         if stop is not None:
@@ -189,7 +215,3 @@ class Qwen35:
             return x
         return self.head(x.reshape(B * T, c.dim)).reshape(B, T, c.vocab_size)
 
-
-def build_model(ckpt: LlamaCheckpoint, quant: str = "keep"):
-    """The device model of a checkpoint's family: Qwen3.5's hybrid, else the Llama family's."""
-    return Qwen35(ckpt, quant) if ckpt.config.arch == "qwen35" else Llama(ckpt, quant)

@@ -88,6 +88,25 @@ class Qwen35Config:
         return asdict(self)
 
     @property
+    def gguf_arch(self) -> str:
+        return "qwen35"
+
+    @property
+    def rope_freq_divisors(self):
+        return None                 # plain RoPE (on rotary_dim features)
+
+    def module_shape(self, module: str) -> tuple[int, int]:
+        """(in, out) of a linear module (`attn_qkv` or `blk.0.attn_qkv`)."""
+        m = module.split(".")[-1]
+        hd, kv, vd, Hv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, \
+            self.lin_v_heads * self.lin_v_dim, self.lin_v_heads
+        return {"attn_q": (self.dim, 2 * hd), "attn_k": (self.dim, kv), "attn_v": (self.dim, kv),
+                "attn_output": (hd, self.dim), "attn_qkv": (self.dim, self.conv_dim), "attn_gate": (self.dim, vd),
+                "ssm_beta": (self.dim, Hv), "ssm_alpha": (self.dim, Hv), "ssm_out": (vd, self.dim),
+                "ffn_gate": (self.dim, self.ffn_dim), "ffn_up": (self.dim, self.ffn_dim),
+                "ffn_down": (self.ffn_dim, self.dim)}[m]
+
+    @property
     def conv_dim(self) -> int:
         return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
 

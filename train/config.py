@@ -220,7 +220,8 @@ HELP = {
     "rehearsal_batch": "rehearsal passages per optimizer step (taken in order, cycling)",
     "loss_on": "SFT tokens scored: completion (the prompt masked) or all (prompt and template too: the "
                "negative control of `vkdsl probe prompt-mask`); evaluation always scores completions",
-    "targets": "comma-separated module patterns the adapters go on (attn_q, q_proj, ...)",
+    "targets": "comma-separated module patterns the adapters go on (attn_q, q_proj, in_proj_qkv, ..., "
+               "or all-linear)",
     "layers": "layers to adapt: '' = all, e.g. 0-3,7, or last:N for the top N layers",
     "rank": "LoRA rank r",
     "alpha": "LoRA alpha (scale alpha/r, or alpha/sqrt(r) with rslora)",

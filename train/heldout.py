@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vkdsl.models.llama import Llama
+from vkdsl.models.build import build_model
 
 from . import evidence
 from .evidence import Scores, Surfaces
@@ -166,7 +166,7 @@ class Heldout:
         n = min(n_rows, len(self.heldout)) if self.labels else 0
         if not n or self.cfg.quant == "none":
             return None
-        fp = Llama(self.ckpt, quant="none")
+        fp = build_model(self.ckpt, quant="none")
         fp.lora = dict(self.model.lora)
         scorer = Scorer(fp, self.pad, self.cfg.bucket, self.cfg.max_len, self.cfg.eval_batch)
         plan = (self.cands[:n * len(self.labels)], None if self.extra is None else self.extra[:n])

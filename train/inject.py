@@ -5,10 +5,12 @@ import re
 
 from vkdsl.ops.lora import LoRA
 
-from vkdsl.models.config import LINEARS
+from vkdsl.models.config import MODULES
 
 HF_ALIASES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
-              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+              "in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate", "in_proj_b": "ssm_beta",
+              "in_proj_a": "ssm_alpha", "out_proj": "ssm_out"}
 
 
 class InjectError(ValueError):
@@ -39,12 +41,15 @@ def parse_layers(spec: str, n_layers: int) -> list[int]:
 
 
 def match_modules(names, patterns, layers) -> list[str]:
-    """patterns: 'attn_q', 'q_proj', a full name 'blk.3.attn_q', or a regex. Each must match."""
+    """patterns: 'attn_q', 'q_proj', a full name 'blk.3.attn_q', a regex, or 'all-linear' (every
+    linear module of the layers, as PEFT's target_modules says it). Each must match."""
     keep = [n for n in names if int(n.split(".")[1]) in layers]
     chosen = []
     for p in patterns:
         mod = HF_ALIASES.get(p, p)
-        if mod in LINEARS:
+        if mod == "all-linear":
+            hit = keep
+        elif mod in MODULES:
             hit = [n for n in keep if n.endswith("." + mod)]
         else:
             try:
@@ -54,10 +59,11 @@ def match_modules(names, patterns, layers) -> list[str]:
             hit = [n for n in keep if rx.fullmatch(n)]
         if not hit:
             raise InjectError(f"target pattern {p!r} matched no module in layers {layers[0]}..{layers[-1]}; "
-                              f"available: {', '.join(LINEARS)} (HF: {', '.join(HF_ALIASES)}), "
+                              f"available: {', '.join(sorted({n.split('.')[2] for n in names}, key=MODULES.index))} "
+                              f"(HF: {', '.join(HF_ALIASES)}), "
                               f"or full names like {keep[0] if keep else names[0]}")
         chosen += [n for n in hit if n not in chosen]
-    return sorted(chosen, key=lambda n: (int(n.split(".")[1]), LINEARS.index(n.split(".")[2])))
+    return sorted(chosen, key=lambda n: (int(n.split(".")[1]), MODULES.index(n.split(".")[2])))
 
 
 def inject(model, cfg) -> list[str]:
@@ -79,7 +85,7 @@ def count_report(model, names) -> tuple[int, int, str]:
     train = sum(p.size for p in params_of(model, names))
     base = sum(w.shape[0] * w.shape[1] for w in model.linear.values())
     c = model.cfg
-    base += c.vocab_size * c.dim + sum(t.size for t in model.norm.values())
+    base += c.vocab_size * c.dim + sum(t.size for t in model.vector.values())
     lines = [f"LoRA on {len(names)} modules: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
              f"trainable parameters: {train:,} of {base + train:,} ({100 * train / (base + train):.4f}%)"]
     return train, base, "\n".join(lines)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from vkdsl.models import identity, load_model_files
-from vkdsl.models.llama import Llama
+from vkdsl.models.build import build_model
 from vkdsl.ops.losses import check_labels
 from vkdsl.precision import current as matmul_precision_now
 
@@ -55,7 +55,7 @@ class Run:
             self.model.lora = {}
         else:
             self.ckpt, self.tok = files if files is not None else load_model_files(path)
-            self.model = Llama(self.ckpt, quant=cfg.quant)
+            self.model = build_model(self.ckpt, quant=cfg.quant)
         # what a resume and the caches must find unchanged: the base, tokenizer, settings and rows
         self.identity = identity.of_run(path, self.tok, cfg.quant, cfg.precision, {
             "train_file": cfg.train_file, "dpo_train_file": cfg.dpo_train_file if "dpo" in cfg.objective else ""})

@@ -1,4 +1,4 @@
-"""The convention both adapter formats translate from: per module `blk.{i}.{attn_q|...}`,
+"""The convention both adapter formats translate from: per module `blk.{i}.{attn_q|attn_qkv|...}`,
 A (in, r) and B (r, out) with out in the GGUF Q/K row order, y = x W^T + s (x A) B."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import LINEARS
+from ..config import MODULES
 
 
 @dataclass
@@ -35,6 +35,8 @@ class AdapterWeights:
 def module_shape(cfg, module: str) -> tuple[int, int]:
     """(in, out) of a linear module (`attn_q` or `blk.3.attn_q`)."""
     m = module.split(".")[-1]
+    if hasattr(cfg, "module_shape"):          # Qwen3.5: its own table
+        return cfg.module_shape(m)
     return {"attn_q": (cfg.dim, cfg.q_dim), "attn_k": (cfg.dim, cfg.kv_dim),
             "attn_v": (cfg.dim, cfg.kv_dim), "attn_output": (cfg.q_dim, cfg.dim),
             "ffn_gate": (cfg.dim, cfg.ffn_dim), "ffn_up": (cfg.dim, cfg.ffn_dim),
@@ -42,7 +44,11 @@ def module_shape(cfg, module: str) -> tuple[int, int]:
 
 
 def heads(cfg, module: str) -> int | None:
+    """Heads of a module whose rows vkdsl keeps in the adjacent-pair RoPE order (Llama family q, k);
+    None where rows are as the files have them (Qwen3.5 rotates halves, as its files are)."""
     m = module.split(".")[-1]
+    if cfg.arch == "qwen35":
+        return None
     return cfg.n_heads if m == "attn_q" else cfg.n_kv_heads if m == "attn_k" else None
 
 
@@ -72,7 +78,7 @@ def model_adapter_arrays(model) -> dict[str, tuple[np.ndarray, np.ndarray, float
 
 def module_order(name: str):
     parts = name.split(".")
-    return (int(parts[1]), LINEARS.index(parts[2]) if parts[2] in LINEARS else 99, name)
+    return (int(parts[1]), MODULES.index(parts[2]) if parts[2] in MODULES else 99, name)
 
 
 def infer_hparams(arrays, r, alpha, rslora):

@@ -17,7 +17,7 @@ import numpy as np
 from vkdsl.fileio import atomic_path
 from vkdsl.ops.lora import lora_scale
 
-from ..config import LINEARS
+from ..config import MODULES
 from ..errors import ModelFileError
 from ..gguf_loader import open_gguf, read_key
 from . import common
@@ -93,7 +93,7 @@ def _read(path: Path, cfg) -> "common.AdapterWeights":
     for t in reader.tensors:
         raw.append((t.name, np.asarray(t.data)))
         m = re.fullmatch(r"(blk\.(\d+)\.(\w+))\.weight\.lora_([ab])", t.name)
-        if m is None or m.group(3) not in LINEARS:
+        if m is None or m.group(3) not in MODULES:
             raise ModelFileError(f"{path}: unexpected tensor {t.name!r}")
         if int(m.group(2)) >= cfg.n_layers:
             raise ModelFileError(f"{path}: {t.name}: layer {m.group(2)} but the model has "

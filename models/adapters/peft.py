@@ -23,13 +23,17 @@ from . import common
 # GGUF module -> (HF submodule path, PEFT target_modules short name)
 HF_MODULE = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+             "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+             # Qwen3.5's Gated DeltaNet
+             "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+             "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a",
+             "ssm_out": "linear_attn.out_proj"}
 HF_SHORT = {k: v.split(".")[1] for k, v in HF_MODULE.items()}
 _FROM_HF = {v: k for k, v in HF_MODULE.items()}
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
-_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.((?:self_attn|mlp)\.\w+)"
+_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.((?:self_attn|mlp|linear_attn)\.\w+)"
                        r"\.lora_([AB])(?:\.default)?\.weight")
 
 
@@ -138,7 +142,7 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
         m = _PEFT_KEY.fullmatch(key)
         if m is None or m.group(2) not in _FROM_HF:
             raise ModelFileError(f"{w_path}: unexpected key {key!r} (not a LoRA A/B weight of "
-                                 f"q/k/v/o/gate/up/down_proj)")
+                                 f"q/k/v/o/gate/up/down_proj or linear_attn's in_proj_*/out_proj)")
         i = int(m.group(1))
         if i >= cfg.n_layers:
             raise ModelFileError(f"{w_path}: {key}: layer {i} but the model has {cfg.n_layers} layers")

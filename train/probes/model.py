@@ -8,7 +8,7 @@ import gc
 import numpy as np
 
 import vkdsl
-from vkdsl.models.llama import Llama
+from vkdsl.models.build import build_model
 from vkdsl.models.quantized import PACKED_GGUF, Packed
 from vkdsl.models.tensors import TensorRecord
 from vkdsl.models.weights import Dense
@@ -255,7 +255,7 @@ def int4_storage(ctx) -> Result:
     for label, q in (("fp32 (the file dequantized)", "none"), (f"the file's blocks ({file_types})", "keep"),
                      ("int4 packed", "int4"), ("NF4 packed", "nf4"), ("int4 values in fp32 (control)", "control")):
         ctx.say(f"  {label} ...")
-        model = Llama(ck, quant="none" if q == "control" else q)
+        model = build_model(ck, quant="none" if q == "control" else q)
         if q == "control":
             tied = model.head is model.embed
             for n in names:
