@@ -98,9 +98,6 @@ def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_
     from vkdsl.models.generate import Generator
     open_device(device)
     model, tok = _load_model(model_path, adapter=adapter, force=force)
-    if model.cfg.arch == "qwen35":
-        raise click.ClickException(f"{model.source}: generation with a qwen35 model is not built yet (its DeltaNet "
-                                   f"layers need a state cache); `vkdsl logits` runs it")
     ids = _prompt_ids(tok, prompt, chat, model.cfg.context_length)
     try:
         gen = Generator(model, len(ids) + max_new_tokens, kv_dtype={"f32": "float32", "f16": "float16"}[kv_cache])

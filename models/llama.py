@@ -76,8 +76,8 @@ class Llama:
         """quant: 'keep' keeps each tensor's stored block format (GGUF Q4_0/Q4_1/Q8_0 stay packed);
         'none' dequantizes to fp32; 'int4' / 'nf4' quantize dense weights on load."""
         if not isinstance(ckpt.config, LlamaConfig):
-            raise ModelFileError(f"{ckpt.source}: a {ckpt.config.arch} model; so far vkdsl runs it in "
-                                 f"`vkdsl logits` only (training, generation and merging come next)")
+            raise ModelFileError(f"{ckpt.source}: a {ckpt.config.arch} model, where this command needs a "
+                                 f"Llama-family one (llama, mistral, qwen2, qwen3)")
         self.cfg: LlamaConfig = ckpt.config
         self.source, self.format = ckpt.source, ckpt.format
         self.stored_types = dict(Counter(r.ggml_type for r in ckpt.tensors.values()).most_common())

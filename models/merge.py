@@ -112,8 +112,8 @@ def _merge_gguf(model_path: Path, cfg, aw, out_path: Path, out_type: str, report
 
 
 def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: dict) -> None:
-    from .safetensors_loader import (weight_files, gguf_name_to_hf, hf_name_to_gguf, read_safetensors,
-                                     as_f32, safetensors_bytes)
+    from . import qwen35_files
+    from .safetensors_loader import weight_files, hf_name_to_gguf, read_safetensors, as_f32, safetensors_bytes
     if out_path.exists() and not out_path.is_dir():
         raise ModelFileError(f"{out_path}: exists and is not a folder (a HF base merges into a folder)")
     out_path.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,8 @@ def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: d
     for file in weight_files(model_path):
         for hf_name, (dtype, shape, raw) in read_safetensors(file).items():
             arr = as_f32(dtype, raw, shape)
-            g = hf_name_to_gguf(hf_name)
+            g = qwen35_files.hf_name_to_gguf(hf_name, ck.config) if ck.config.arch == "qwen35" \
+                else hf_name_to_gguf(hf_name)
             mod = g[:-len(".weight")] if g and g.endswith(".weight") else None
             if mod in aw.modules:
                 A, B, s = aw.modules[mod]
@@ -131,7 +132,7 @@ def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: d
                 stored = merged.astype(np.float16) if t == "F16" else merged
                 tensors[hf_name] = stored
                 lost = (stored.astype(np.float64) - arr) - d
-                report["tensors"][gguf_name_to_hf(g)] = {
+                report["tensors"][hf_name] = {
                     "base_type": dtype, "type": t, "update_norm": float(np.linalg.norm(d)),
                     "requant_rel_err": float(np.linalg.norm(lost) / max(np.linalg.norm(d), 1e-30))}
             else:
@@ -148,14 +149,15 @@ def compare_logits(base_path, adapter_path, merged_path, ids, quant: str = "keep
     (list or (B, T) array): max |diff|, its size relative to max |logit|, argmax agreement."""
     from . import load_model_files
     from .adapters import load_adapter
-    from .llama import Llama, LogitsFn
+    from .build import build_model
+    from .llama import LogitsFn
     ids = np.atleast_2d(np.asarray(ids, np.int32))
     ck, tok = load_model_files(base_path)
-    sep = Llama(ck, quant=quant)
+    sep = build_model(ck, quant=quant)
     load_adapter(sep, adapter_path, tok, force=force, model_path=base_path)
     a = LogitsFn(sep)(ids)
     mck, _ = load_model_files(merged_path)
-    mer = Llama(mck, quant=quant)
+    mer = build_model(mck, quant=quant)
     b = LogitsFn(mer, adapters_on=False)(ids)
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     diff = float(np.abs(a - b).max())

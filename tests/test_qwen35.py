@@ -157,22 +157,91 @@ def test_missing_and_misshapen_tensors_are_named(tmp_path):
         load_checkpoint(folder)
 
 
-def test_cli_logits_and_what_is_not_built_yet(tiny, tmp_path):
-    """`vkdsl logits` on the folder gives the reference's logits of the tokenized prompt; generation
-    and training refuse the family in one line that says what runs it."""
+def test_cli_logits_generate_and_info(tiny, tmp_path):
+    """`vkdsl logits` on the folder gives the reference's logits of the tokenized prompt; `generate`
+    greedily continues it (the first new token is the reference's argmax); `info` names the family."""
     from fixtures.cli import vkdsl
     from vkdsl.models import load_tokenizer
     folder, w, _ = tiny
     out = tmp_path / "l.npy"
     p = vkdsl(["logits", "--model", str(folder), "--prompt", "hello there world", "--out", str(out)])
     assert p.returncode == 0, p.stderr
-    ids = load_tokenizer(folder).encode("hello there world")
-    close(np.load(out), qwen35_ref.forward(w, fx.CONFIG, ids))
-    p = vkdsl(["generate", "--model", str(folder), "--prompt", "hi"])
-    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("Error:") \
-        and "not built yet" in p.stderr and "Traceback" not in p.stderr
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"prompt": "a", "completion": "b"}\n' * 4)
-    p = vkdsl(["train", "--model", str(folder), "--train-file", str(data), "--heldout-file", str(data),
-               "--out", str(tmp_path / "run")])
-    assert p.returncode != 0 and "a qwen35 model" in p.stderr and "Traceback" not in p.stderr, p.stderr[-500:]
+    tok = load_tokenizer(folder)
+    ids = tok.encode("hello there world")
+    want = qwen35_ref.forward(w, fx.CONFIG, ids)
+    close(np.load(out), want)
+    p = vkdsl(["generate", "--model", str(folder), "--prompt", "hello there world", "--max-new-tokens", "3"])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("hello there world" + tok.decode([int(np.argmax(want[-1]))]))
+    p = vkdsl(["info", "--model", str(folder), "--json"])
+    assert p.returncode == 0 and json.loads(p.stdout)["family"].startswith("Qwen3.5"), p.stderr
+
+
+def test_generation_continues_the_prompt_exactly(tiny):
+    """Greedy steps from the state cache (conv inputs, delta-rule state, the full layers' keys and
+    values) give the logits the whole sequence gives at each new position; a 70-token prompt
+    crosses a chunk and is padded to its bucket (the padding must leave the state alone)."""
+    from vkdsl.models.generate import Generator
+    _, _, model = tiny
+    for prompt in (IDS[:10], IDS[:70]):
+        gen = Generator(model, 100)
+        lg, toks, steps = gen.logits_prefill(prompt)[-1], list(prompt), []
+        for pos in range(len(prompt), len(prompt) + 8):
+            toks.append(int(np.argmax(lg)))
+            lg = gen.logits_step(toks[-1], pos)
+            steps.append(lg)
+        whole = LogitsFn(model)(np.array([toks], np.int32))[0, len(prompt):]
+        close(np.array(steps), whole, rel=1e-5)
+
+
+def test_training_run_resumes_bit_identically(tmp_path):
+    """vkdsl-train's SFT stage with adapters on every linear module of the hybrid: a run killed
+    after step 3 and resumed ends with the adapter of an uninterrupted run, bit for bit."""
+    from fixtures.train_data import tiny_cfg, tiny_setup
+    from vkdsl.train import checkpoint
+    from vkdsl.train.trainer import run
+    tm, tr, he, pr = tiny_setup(tmp_path / "data")
+    folder, _ = fx.write(tmp_path / "qwen35", mtp=False)
+    cfg = tiny_cfg((tm, tr, he, pr), model=str(folder), pack=False, targets=["all-linear"], steps=5,
+                   checkpoint_every=2, tmkl=0.1)
+    full = run(cfg, tmp_path / "full", evidence_at_end=False)
+    assert len(full.names) == 3 * 8 + 7          # 3 DeltaNet layers x 8 modules, the full layer's 7
+    run(cfg, tmp_path / "part", stop_after=3, evidence_at_end=False)
+    assert checkpoint.load(tmp_path / "part")[0]["step"] == 2
+    resumed = run(cfg, tmp_path / "part", resume=tmp_path / "part", evidence_at_end=False)
+    for a, b in zip(full.params, resumed.params):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x).get("event") == "step"]
+    assert losses[-1] < losses[0], losses
+
+
+def test_peft_round_trip_and_merge(tiny, tmp_path):
+    """Adapters on the DeltaNet projections and the full attention, saved as PEFT (HF module names,
+    linear_attn.in_proj_*), load back to the same logits; merged into a copy of the HF folder
+    (f32), the merged model's logits equal base + adapter's."""
+    import vkdsl
+    from vkdsl.models import load_tokenizer
+    from vkdsl.models.adapters import load_adapter, save_peft
+    from vkdsl.models.merge import compare_logits, merge
+    folder, _, model = tiny
+    rng = np.random.default_rng(5)
+    table = {}
+    for j, n in enumerate(["blk.0.attn_qkv", "blk.1.ssm_out", "blk.2.attn_gate", "blk.3.attn_q"]):
+        out, inp = model.linear[n].shape
+        table[n] = lora.LoRA.init(inp, out, r=4, alpha=8, seed=j, name=n)
+        table[n].B.assign(vkdsl.tensor((0.2 * rng.standard_normal((4, out))).astype(np.float32)))
+    model.lora = table
+    ids = np.array([IDS[:30]], np.int32)
+    want = LogitsFn(model)(ids)
+    save_peft(model, tmp_path / "peft", r=4, alpha=8.0)
+    cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj"]
+    model.lora = {}
+    load_adapter(model, tmp_path / "peft", load_tokenizer(folder))
+    got = LogitsFn(model)(ids)
+    model.lora = {}
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    merge(folder, tmp_path / "peft", tmp_path / "merged", out_type="f32")
+    c = compare_logits(folder, tmp_path / "peft", tmp_path / "merged", ids)
+    assert c["rel_diff"] <= 1e-5 and c["argmax_agreement"] == 1.0, c
