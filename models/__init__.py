@@ -32,12 +32,21 @@ def _load_folder(path) -> LlamaCheckpoint:
     return load_hf(path)
 
 
+def _load_file(path, reader=None) -> LlamaCheckpoint:
+    """A GGUF file of either computation."""
+    reader = reader if reader is not None else open_gguf(path)
+    field = reader.fields.get("general.architecture")
+    if field is not None and field.contents() == "qwen35":
+        return qwen35_files.load_gguf(reader, Path(path))
+    return load_gguf(path, reader)
+
+
 def load_checkpoint(path: str | os.PathLike) -> LlamaCheckpoint:
     """A .gguf file or a Hugging Face folder (config.json + safetensors)."""
     if Path(path).is_file() and Path(path).suffix == ".safetensors":
         raise ModelFileError(f"{path}: a bare .safetensors file holds weights only; pass the Hugging Face folder "
                              f"that holds it with config.json")
-    return _load_folder(path) if Path(path).is_dir() else load_gguf(path)
+    return _load_folder(path) if Path(path).is_dir() else _load_file(path)
 
 
 def load_model_files(path: str | os.PathLike) -> tuple[LlamaCheckpoint, Tokenizer]:
@@ -49,7 +58,7 @@ def load_model_files(path: str | os.PathLike) -> tuple[LlamaCheckpoint, Tokenize
         ck = _load_folder(path)
         return ck, load_tokenizer(path, expected_vocab=ck.config.vocab_size)
     reader = open_gguf(path)
-    ck = load_gguf(path, reader)
+    ck = _load_file(path, reader)
     return ck, load_tokenizer(path, expected_vocab=ck.config.vocab_size, reader=reader)
 
 

@@ -92,7 +92,7 @@ def config_from_gguf(reader: GGUFReader, path: Path | str) -> LlamaConfig:
     """LlamaConfig from the {arch}.* keys (vocab falls back to token_embd's rows)."""
     arch = read_key(reader, "general.architecture", None, path=path)
     if arch not in GGUF_ARCHS:
-        raise ModelFileError(f"{path}: general.architecture is {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
+        raise ModelFileError(f"{path}: general.architecture is {arch!r}; supported: {', '.join(GGUF_ARCHS)}, qwen35")
 
     def key(name: str, default: Any = ...) -> Any:
         return read_key(reader, f"{arch}.{name}", default, path=path)

@@ -15,7 +15,7 @@ import numpy as np
 from vkdsl.fileio import atomic_path, atomic_write
 
 from .adapters import adapter_mismatches, read_adapter
-from .adapters.common import file_rows
+from .adapters.common import file_cols, file_rows
 from .errors import ModelFileError
 from .manifest import check_manifest
 
@@ -84,6 +84,7 @@ def _merge_gguf(model_path: Path, cfg, aw, out_path: Path, out_type: str, report
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             W = np.asarray(dequantize(np.asarray(t.data), t.tensor_type), np.float64).reshape(shape)
             d = file_rows(cfg, mod, _delta(A, B, s), "gguf", to_file=True)   # the file's row order
+            d = file_cols(cfg, mod, d.T, "gguf", to_file=True).T
             merged = (W + d).astype(np.float32)
             info = {"base_type": t.tensor_type.name, "update_norm": float(np.linalg.norm(d))}
             if out_type == "f32" or (out_type == "keep" and t.tensor_type == Q.F32):
@@ -127,6 +128,7 @@ def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: d
             if mod in aw.modules:
                 A, B, s = aw.modules[mod]
                 d = file_rows(ck.config, mod, _delta(A, B, s), "hf", to_file=True)
+                d = file_cols(ck.config, mod, d.T, "hf", to_file=True).T
                 merged = (arr.astype(np.float64) + d).astype(np.float32)
                 t = {"f32": "F32", "f16": "F16"}.get(out_type, dtype if dtype != "BF16" else "F32")
                 stored = merged.astype(np.float16) if t == "F16" else merged

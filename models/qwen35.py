@@ -150,8 +150,11 @@ class Qwen35:
         q = l2norm(mixed[..., :Hk * dk].reshape(B, T, Hk, dk))
         k = l2norm(mixed[..., Hk * dk:2 * Hk * dk].reshape(B, T, Hk, dk))
         v = mixed[..., 2 * Hk * dk:].reshape(B, T, Hv, dv)
-        if Hv > Hk:             # each key head serves Hv // Hk consecutive value heads
+        if Hv > Hk and not c.v_tiled:     # key head g serves value heads g*r .. g*r + r-1
             q, k = (t.reshape(B, T, Hk, 1, dk).expand((B, T, Hk, Hv // Hk, dk)).reshape(B, T, Hv, dk)
+                    for t in (q, k))
+        elif Hv > Hk:                     # llama.cpp's order: value head j*Hk + g belongs to key head g
+            q, k = (t.reshape(B, T, 1, Hk, dk).expand((B, T, Hv // Hk, Hk, dk)).reshape(B, T, Hv, dk)
                     for t in (q, k))
         beta = nn.sigmoid(self._lin(p + "ssm_beta", h, adapters_on)).reshape(B, T, Hv)
         a = self._lin(p + "ssm_alpha", h, adapters_on).reshape(B, T, Hv)

@@ -63,6 +63,10 @@ class Qwen35Config:
     bos_id: int | None = None
     eos_id: int | None = None
     pad_id: int | None = None
+    # the order of the value heads in the per-head DeltaNet tensors: Hugging Face groups them by
+    # key head (key head g serves value heads g*r .. g*r + r-1), llama.cpp's converter tiles them
+    # (value head j*Hk + g belongs to key head g); the computation follows the file's order
+    v_tiled: bool = False
     arch: str = "qwen35"
 
     def __post_init__(self):
@@ -172,6 +176,23 @@ def config_from_hf(cfg: dict, path: Path) -> Qwen35Config:
         raise ModelFileError(f"{path}: {e}") from None
 
 
+def reorder_v(c: Qwen35Config, module: str, a: np.ndarray, axis: int, to_tiled: bool) -> np.ndarray:
+    """A DeltaNet tensor's value-head axis between the grouped and the tiled order (axis: the output
+    rows of attn_qkv's value part, attn_gate, ssm_beta, ssm_alpha and the vectors; ssm_out's input)."""
+    Hk, Hv = c.lin_k_heads, c.lin_v_heads
+    m = module.split(".")[-1]
+    if Hk == Hv or m not in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ssm_a",
+                             "ssm_dt", "ssm_conv1d"):
+        return a
+    a = np.moveaxis(np.asarray(a), axis, 0)
+    skip = 2 * Hk * c.lin_k_dim if m in ("attn_qkv", "ssm_conv1d") else 0      # q and k keep their rows
+    v = a[skip:]
+    d = v.shape[0] // Hv
+    src = (Hk, Hv // Hk, d) if to_tiled else (Hv // Hk, Hk, d)
+    v = v.reshape(src + v.shape[1:]).swapaxes(0, 1).reshape(v.shape)
+    return np.moveaxis(np.concatenate([a[:skip], v]), 0, axis)
+
+
 def expected_shapes(c: Qwen35Config) -> dict[str, tuple]:
     shapes = {"token_embd.weight": (c.vocab_size, c.dim), "output_norm.weight": (c.dim,)}
     if not c.tied_embeddings:
@@ -279,3 +300,56 @@ def load_hf(folder: Path, raw_cfg: dict, config_path: Path) -> LlamaCheckpoint:
             tensors[name] = record(name, convert(name, as_f32(dtype, raw, shape)))
     check(tensors, c, folder)
     return LlamaCheckpoint(c, tensors, folder, "safetensors")
+
+
+def config_from_gguf(reader, path) -> Qwen35Config:
+    """Qwen35Config from the qwen35.* keys llama.cpp's converter writes."""
+    from .gguf_loader import _f32, read_key
+
+    def key(name, default=...):
+        return read_key(reader, f"qwen35.{name}", default, path=path)
+    names = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise ModelFileError(f"{path}: missing tensor 'token_embd.weight'")
+    recurrent = key("attention.recurrent_layers", None)
+    n = int(key("block_count"))
+    if recurrent is None:
+        every = int(key("full_attention_interval", 4))
+        recurrent = [(i + 1) % every != 0 for i in range(n)]
+    if len(recurrent) != n:
+        raise ModelFileError(f"{path}: qwen35.attention.recurrent_layers has {len(recurrent)} entries for "
+                             f"{n} blocks (a file with MTP layers: convert it with --no-mtp)")
+    Hk, Hv = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
+    inner = int(key("ssm.inner_size"))
+    if Hv <= 0 or inner % Hv:
+        raise ModelFileError(f"{path}: qwen35.ssm.inner_size {inner} does not split into ssm.time_step_rank "
+                             f"{Hv} value heads")
+
+    def token_id(name):
+        v = read_key(reader, f"tokenizer.ggml.{name}_token_id", None)
+        return None if v is None else int(v)
+    try:
+        return Qwen35Config(
+            n_layers=n, dim=int(key("embedding_length")), n_heads=int(key("attention.head_count")),
+            n_kv_heads=int(key("attention.head_count_kv")), head_dim=int(key("attention.key_length")),
+            ffn_dim=int(key("feed_forward_length")), vocab_size=int(names["token_embd.weight"].shape[-1]),
+            layer_types=tuple("linear_attention" if r else "full_attention" for r in recurrent),
+            lin_k_heads=Hk, lin_v_heads=Hv, lin_k_dim=int(key("ssm.state_size")), lin_v_dim=inner // Hv,
+            conv_kernel=int(key("ssm.conv_kernel")), rope_base=_f32(key("rope.freq_base", 10_000_000.0)),
+            rotary_dim=int(key("rope.dimension_count")), norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
+            context_length=int(key("context_length", 32768)), tied_embeddings="output.weight" not in names,
+            bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("padding"), v_tiled=Hk != Hv)
+    except ModelFileError as e:
+        raise ModelFileError(f"{path}: {e}") from None
+
+
+def load_gguf(reader, path: Path) -> LlamaCheckpoint:
+    """A qwen35 GGUF as llama.cpp's converter writes it: the values already in the GGUF convention
+    (1 + w norms, A, the conv as (channels, kernel)), value heads in the tiled order."""
+    c = config_from_gguf(reader, path)
+    tensors = {}
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        tensors[t.name] = TensorRecord(t.name, t.tensor_type.name, shape, np.asarray(t.data).view(np.uint8))
+    check(tensors, c, path)
+    return LlamaCheckpoint(c, tensors, path, "gguf")

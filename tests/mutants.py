@@ -254,6 +254,16 @@ MUTANTS = [
     Mutant("qwen35_conv_taps_reversed", "models/qwen35.py", "term = xp[:, j:j + T] * w[:, j]",
            "term = xp[:, j:j + T] * w[:, K - 1 - j]", ("tests/test_qwen35.py", "-k", "transformers_computation"),
            "the causal convolution's taps applied in reverse time order"),
+    Mutant("qwen35_adapter_value_heads_unordered", "models/adapters/common.py", "    if file_tiled == cfg.v_tiled:",
+           "    if True:", ("tests/test_qwen35_files.py", "-k", "cross"),
+           "adapters keep the model's value-head order in a file of the other order"),
+    Mutant("qwen35_out_proj_columns_unordered", "models/adapters/common.py",
+           'if cfg.arch == "qwen35" and module.split(".")[-1] == "ssm_out":',
+           'if cfg.arch == "qwen35" and module.split(".")[-1] == "ssm_outx":',
+           ("tests/test_qwen35_files.py", "-k", "cross"), "out_proj's adapter input columns left in the model's order"),
+    Mutant("qwen35_gguf_value_heads_grouped", "models/qwen35_files.py", "v_tiled=Hk != Hv)", "v_tiled=False)",
+           ("tests/test_qwen35_files.py", "-k", "transformers_logits"),
+           "a converter GGUF's tiled value heads read as grouped"),
 ]
 
 

@@ -57,10 +57,30 @@ def file_rows(cfg, module: str, rows: np.ndarray, fmt: str, to_file: bool) -> np
     and PEFT files use the half-split order, GGUF files their family's (llama.cpp permutes Llama's
     rows, not Qwen's). Other modules' rows pass through."""
     from ..safetensors_loader import gguf_to_hf_rows, hf_to_gguf_rows
+    if cfg.arch == "qwen35":
+        return _value_heads(cfg, module, rows, 0, fmt, to_file) if module.split(".")[-1] != "ssm_out" else rows
     h = heads(cfg, module)
     if h is None or (fmt == "gguf" and cfg.gguf_pairs):
         return rows
     return gguf_to_hf_rows(rows, h, axis=0) if to_file else hf_to_gguf_rows(rows, h, axis=0)
+
+
+def file_cols(cfg, module: str, cols: np.ndarray, fmt: str, to_file: bool) -> np.ndarray:
+    """A module's input features (axis 0 of A (in, r), axis 1 of a weight) between vkdsl's order and
+    a file's: only Qwen3.5's out_proj reads value heads, whose order HF and GGUF files differ in."""
+    if cfg.arch == "qwen35" and module.split(".")[-1] == "ssm_out":
+        return _value_heads(cfg, module, cols, 0, fmt, to_file)
+    return cols
+
+
+def _value_heads(cfg, module, a, axis, fmt, to_file):
+    """Qwen3.5's value heads: grouped by key head in HF/PEFT files, tiled in GGUF files (llama.cpp's
+    converter); the model keeps its base file's order (cfg.v_tiled)."""
+    from ..qwen35_files import reorder_v
+    file_tiled = fmt == "gguf"
+    if file_tiled == cfg.v_tiled:
+        return a
+    return reorder_v(cfg, module, a, axis, to_tiled=file_tiled if to_file else cfg.v_tiled)
 
 
 def model_adapter_arrays(model) -> dict[str, tuple[np.ndarray, np.ndarray, float]]:

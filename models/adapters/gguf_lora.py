@@ -48,6 +48,7 @@ def save(model, path, *, r: int | None = None, alpha: float | None = None,
         for name, (A, B, s) in arrays.items():
             Bs = B * np.float32(s / scale) if s != scale else B
             Bt = common.file_rows(model.cfg, name, Bs.T, "gguf", to_file=True)
+            A = common.file_cols(model.cfg, name, A, "gguf", to_file=True)
             tensors += [(f"{name}.weight.lora_a", np.ascontiguousarray(A.T, ft)),       # (r, in)
                         (f"{name}.weight.lora_b", np.ascontiguousarray(Bt, ft))]        # (out, r)
         if manifest is not None:
@@ -117,6 +118,7 @@ def _read(path: Path, cfg) -> "common.AdapterWeights":
             raise ModelFileError(f"{path}: {kb}: shape {b.shape}, expected ({d_out}, {r})")
         ranks.add(r)
         b = common.file_rows(cfg, module, b, "gguf", to_file=False)
+        a = common.file_cols(cfg, module, a.T, "gguf", to_file=False).T
         modules[module] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T),
                            float(alpha_cpp) / r)
     r = ranks.pop() if len(ranks) == 1 else 0

@@ -45,6 +45,7 @@ def _peft_tensors(arrays, cfg, scale: float) -> dict[str, np.ndarray]:
         Bt = B.T * np.float32(s / scale) if s != scale else B.T      # (out, r)
         Bt = common.file_rows(cfg, m, Bt, "hf", to_file=True)
         key = f"base_model.model.model.layers.{i}.{HF_MODULE[m]}"
+        A = common.file_cols(cfg, m, A, "hf", to_file=True)
         out[key + ".lora_A.weight"] = np.ascontiguousarray(A.T, np.float32)     # (r, in)
         out[key + ".lora_B.weight"] = np.ascontiguousarray(Bt, np.float32)      # (out, r)
     return out
@@ -170,6 +171,7 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
         if Bt.shape != (d_out, r):
             raise ModelFileError(f"{w_path}: {kb}: shape {b.shape}, expected ({d_out}, {r})")
         Bt = common.file_rows(cfg, module, Bt, "hf", to_file=False)
+        A = common.file_cols(cfg, module, A, "hf", to_file=False)
         modules[module] = (np.ascontiguousarray(A, np.float32),
                            np.ascontiguousarray(Bt.T, np.float32), scale)
     return common.AdapterWeights(modules, "peft", folder, r, alpha, rslora, config=pc,
