@@ -29,14 +29,17 @@ def _scale(q, scale):
     return q.shape[-1] ** -0.5 if scale is None else float(scale)
 
 
-def recurrent(q, k, v, g, beta, state=None, scale=None):
-    """Outputs (B, T, H, dv) and the final state (B, H, dk, dv), one step at a time."""
+def recurrent(q, k, v, g, beta, state=None, scale=None, segments=None):
+    """Outputs (B, T, H, dv) and the final state (B, H, dk, dv), one step at a time. segments (B, T):
+    packed sequences' ids; where the id changes the state starts again from zero."""
     q, k, v, g, beta = _f64(q, k, v, g, beta)
     B, T, H, dk = k.shape
     S = np.zeros((B, H, dk, v.shape[-1])) if state is None else np.array(state, np.float64)
     o = np.zeros(v.shape)
     s = _scale(q, scale)
     for t in range(T):
+        if segments is not None and t > 0:
+            S = S * (np.asarray(segments)[:, t] == np.asarray(segments)[:, t - 1])[:, None, None, None]
         S = S * np.exp(g[:, t])[..., None, None]
         read = np.einsum("bhkv,bhk->bhv", S, k[:, t])
         d = beta[:, t][..., None] * (v[:, t] - read)

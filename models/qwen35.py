@@ -42,24 +42,30 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * ((x * x).sum(-1, keepdim=True) + eps).rsqrt()
 
 
-def causal_conv(x: Tensor, w: Tensor) -> Tensor:
-    """Depthwise causal convolution over time: x (B, T, C), w (C, K): y_t = sum_j w_j x_{t-K+1+j}."""
+def causal_conv(x: Tensor, w: Tensor, segments: Tensor | None = None) -> Tensor:
+    """Depthwise causal convolution over time: x (B, T, C), w (C, K): y_t = sum_j w_j x_{t-K+1+j};
+    with segments (B, T) int32 (packed sequences' ids) a tap that reaches into another sequence reads 0."""
     B, T, C = x.shape
     K = w.shape[1]
     xp = x.pad(((0, 0), (K - 1, 0), (0, 0)))
     y = None
     for j in range(K):
         term = xp[:, j:j + T] * w[:, j]
+        back = K - 1 - j
+        if segments is not None and back:
+            same = segments.eq(segments.pad(((0, 0), (back, 0)))[:, :T])
+            term = term * same.reshape(B, T, 1)
         y = term if y is None else y + term
     return y
 
 
 def rope_halves(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
     """RoPE on the first `rot` features of each head, the two halves of them rotated together
-    (transformers' rotate_half); the rest pass. x (B, T, H, D); cos, sin (T, rot / 2)."""
+    (transformers' rotate_half); the rest pass. x (B, T, H, D); cos, sin (T, rot / 2), or
+    (B, T, rot / 2) when each row has its own positions (packed sequences)."""
     B, T, H, D = x.shape
     h = rot // 2
-    c, s = cos.reshape(T, 1, h), sin.reshape(T, 1, h)
+    c, s = cos.reshape(*cos.shape[:-1], 1, h), sin.reshape(*sin.shape[:-1], 1, h)
     x1, x2 = x[..., :h], x[..., h:rot]
     parts = [x1 * c - x2 * s, x2 * c + x1 * s] + ([x[..., rot:]] if rot < D else [])
     return gated_delta._concat(parts, 3)
@@ -112,7 +118,7 @@ class Qwen35:
         los = [self.lora.get(f"blk.{i}.{m}") for i in layers for m in self.cfg.linears(i)] if adapters_on else []
         return [t for lo in los if lo is not None for t in (lo.A, lo.B)]
 
-    def _full_attention(self, i, p, h, B, T, adapters_on, cos, sin, kv, mask):
+    def _full_attention(self, i, p, h, B, T, adapters_on, cos, sin, kv, mask, spans):
         c = self.cfg
         H, KV, D = c.n_heads, c.n_kv_heads, c.head_dim
         qg = self._lin(p + "attn_q", h, adapters_on).reshape(B, T, H, 2 * D)
@@ -125,11 +131,11 @@ class Qwen35:
             k, v, causal = kv.layer(i, k, v)       # generation: the cache's keys and values
             a = attention.attention(q, k, v, mask=mask, causal=causal)
         else:
-            a = attention.attention(q, k, v)
+            a = attention.attention(q, k, v, spans=spans)
         a = a * nn.sigmoid(gate)
         return self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on)
 
-    def _delta_net(self, i, p, h, B, T, adapters_on, cache):
+    def _delta_net(self, i, p, h, B, T, adapters_on, cache, segments):
         """cache (generation, models.generate.StateCache): a prompt leaves the last K-1 conv inputs
         and the state after its last real token there (padding steps get g = 0, beta = 0: they
         leave the state as it is); a single new token continues from them."""
@@ -143,7 +149,7 @@ class Qwen35:
             conv = causal_conv(window, w)[:, c.conv_kernel - 1:]
             cache.conv[i].assign(window[:, 1:])
         else:
-            conv = causal_conv(mixed, w)
+            conv = causal_conv(mixed, w, segments)
             if cache is not None:
                 cache.conv[i].assign((cache.tail @ mixed.reshape(T, c.conv_dim)).reshape(1, -1, c.conv_dim))
         mixed = nn.silu(conv)
@@ -165,22 +171,23 @@ class Qwen35:
             valid = cache.valid.reshape(1, T, 1)
             o, state = gated_delta.chunked(q, k, v, g * valid, beta * valid, chunk=CHUNK)
         else:
-            o, state = gated_delta.chunked(q, k, v, g, beta, chunk=CHUNK)
+            o, state = gated_delta.chunked(q, k, v, g, beta, chunk=CHUNK, segments=segments)
         if cache is not None:
             cache.state[i].assign(state)
         z = self._lin(p + "attn_gate", h, adapters_on).reshape(B, T, Hv, dv)
         o = nn.rmsnorm(o, self.vector[p + "ssm_norm.weight"], c.norm_eps) * nn.silu(z)
         return self._lin(p + "ssm_out", o.reshape(B * T, Hv * dv), adapters_on)
 
-    def _layer(self, i, x, adapters_on, cos, sin, kv=None, mask=None):
+    def _layer(self, i, x, adapters_on, cos, sin, kv=None, mask=None, spans=None):
         c = self.cfg
         B, T = x.shape[:2]
         p = f"blk.{i}."
         h = nn.rmsnorm(x, self.vector[p + "attn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
         if c.layer_types[i] == "full_attention":
-            mixed = self._full_attention(i, p, h, B, T, adapters_on, cos, sin, kv, mask)
+            mixed = self._full_attention(i, p, h, B, T, adapters_on, cos, sin, kv, mask, spans)
         else:
-            mixed = self._delta_net(i, p, h, B, T, adapters_on, kv)
+            segments = None if spans is None else spans[..., 0]        # a packed sequence's first position
+            mixed = self._delta_net(i, p, h, B, T, adapters_on, kv, segments)
         x = x + mixed.reshape(B, T, c.dim)
         h = nn.rmsnorm(x, self.vector[p + "post_attention_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
         f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
@@ -190,15 +197,17 @@ class Qwen35:
                 hidden_only: bool = False, start: int = 0, stop: int | None = None, checkpoint: int = 0,
                 positions=None, spans=None) -> Tensor:
         """ids (B, T) int32 -> logits (B, T, vocab); the arguments as Llama.forward's (kv: a
-        models.generate.StateCache). Packed rows (positions, spans) are not built for this family yet."""
-        if positions is not None or spans is not None:
-            raise ValueError("Qwen3.5: packed rows are not supported yet (train with pack = false)")
+        models.generate.StateCache; positions and spans: packed sequences, which neither attention
+        nor the DeltaNet's convolution and state carry across)."""
         c = self.cfg
         B, T = ids.shape[:2]
         depends_on(lambda: self.lora.version)
         if T > c.context_length:
             raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
-        if cos is None:
+        if positions is not None:
+            flat = positions.reshape(B * T)
+            cos, sin = (t.gather(flat).reshape(B, T, c.rotary_dim // 2) for t in (self._cos, self._sin))
+        elif cos is None:
             cos, sin = self._cos[:T], self._sin[:T]
         x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
         end = c.n_layers if stop is None else stop
@@ -208,7 +217,7 @@ class Qwen35:
 
             def blocks(x, group=group):
                 for i in group:
-                    x = self._layer(i, x, adapters_on, cos, sin, kv, mask)
+                    x = self._layer(i, x, adapters_on, cos, sin, kv, mask, spans)
                 return x
             x = checkpoint_fn(blocks, x, self._adapter_tensors(group, adapters_on)) if K else blocks(x)
         if stop is not None:

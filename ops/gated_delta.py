@@ -87,12 +87,21 @@ def _concat(parts: list, axis: int) -> Tensor:
 
 
 def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int = MAX_CHUNK,
-            state: Tensor | None = None, scale: float | None = None) -> tuple[Tensor, Tensor | None]:
-    """Outputs (B, T, H, dv) and the state after the last step (None when nothing was carried:
-    no initial state and no step)."""
+            state: Tensor | None = None, scale: float | None = None,
+            segments: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """Outputs (B, T, H, dv) and the state after the last step (None with segments).
+
+    segments (B, T) int32: packed sequences' ids (contiguous runs); the state starts again from
+    zero where the id changes. Inside a chunk, steps interact only within their own sequence (the
+    solve and the chunk's attention masked to equal ids); the carried state reaches only the steps
+    of the sequence the previous chunk ended in, and the next state only gathers the writes of
+    the sequence the chunk ends in."""
     _check(q, k, v, g, beta, state)
     B, T, H, dk = k.shape
     dv = v.shape[-1]
+    if segments is not None and (state is not None or segments.shape != (B, T)):
+        raise ShapeError(f"gated delta rule: segments {segments.shape} must be (B, T) = {(B, T)}, and packed "
+                         f"sequences start from no state")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 < chunk <= MAX_CHUNK:
         raise ValueError(f"gated delta rule: chunk must be in 1..{MAX_CHUNK}, got {chunk!r}")
     C = min(chunk, T)
@@ -108,17 +117,26 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int
     G = (g.reshape(B, H, N, 1, C) @ _mask(C, 0).transpose(0, 1)).reshape(B, H, N, C)   # cumulative log decay
     lower = _mask(C, 0)
     decay = lower.where(G.reshape(B, H, N, C, 1) - G.reshape(B, H, N, 1, C), 0.0).exp() * lower
+    carry = to_last = None
+    if segments is not None:             # (B, 1, N, C) ids; appended steps get id 0 (they write nothing)
+        seg = segments.pad(((0, 0), (0, pad))).reshape(B, 1, N, C)
+        decay = decay * seg.reshape(B, 1, N, C, 1).eq(seg.reshape(B, 1, N, 1, C))
+        ends = seg[:, :, :, C - 1:C]                                   # the id each chunk ends in
+        before = ends.pad(((0, 0), (0, 0), (1, 0), (0, 0)))[:, :, :N]  # ... the one before it ended in
+        carry, to_last = seg.eq(before), seg.eq(ends)                  # (B, 1, N, C) 0/1
     kT = k.transpose(-1, -2)
     solve = tri_inverse(beta.reshape(B, H, N, C, 1) * (k @ kT) * decay)   # reads below the diagonal only
     eG = G.exp()
+    reach = eG if carry is None else eG * carry                 # how much of the entering state a step sees
     U0 = solve @ (v * beta.reshape(B, H, N, C, 1))
-    W = solve @ (k * (beta * eG).reshape(B, H, N, C, 1))
+    W = solve @ (k * (beta * reach).reshape(B, H, N, C, 1))
     qs = q * s
     QK = (qs @ kT) * decay
-    qe = qs * eG.reshape(B, H, N, C, 1)
+    qe = qs * reach.reshape(B, H, N, C, 1)
     last = G[..., C - 1:C]                                      # (B, H, N, 1)
-    kd = k * (last - G).exp().reshape(B, H, N, C, 1)
-    keep = last.exp()
+    gather = (last - G).exp() if to_last is None else (last - G).exp() * to_last
+    kd = k * gather.reshape(B, H, N, C, 1)
+    keep = last.exp() if carry is None else last.exp() * carry[..., C - 1:C]
     S, outs = state, []
     for n in range(N):
         U = U0[:, :, n] if S is None else U0[:, :, n] - W[:, :, n] @ S
@@ -129,7 +147,7 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int
         S = write if S is None else keep[:, :, n].reshape(B, H, 1, 1) * S + write
         outs.append(O)
     o = _concat(outs, 2)[:, :, :T]
-    return o.permute(0, 2, 1, 3), S
+    return o.permute(0, 2, 1, 3), (S if segments is None else None)
 
 
 def recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None,

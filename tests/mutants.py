@@ -264,6 +264,12 @@ MUTANTS = [
     Mutant("qwen35_gguf_value_heads_grouped", "models/qwen35_files.py", "v_tiled=Hk != Hv)", "v_tiled=False)",
            ("tests/test_qwen35_files.py", "-k", "transformers_logits"),
            "a converter GGUF's tiled value heads read as grouped"),
+    Mutant("qwen35_conv_crosses_rows", "models/qwen35.py", "if segments is not None and back:",
+           "if segments is not None and not back:", ("tests/test_qwen35.py", "-k", "packed"),
+           "a packed row's convolution reads the previous row's last tokens"),
+    Mutant("delta_rule_state_crosses_rows", "ops/gated_delta.py",
+           "reach = eG if carry is None else eG * carry", "reach = eG",
+           ("tests/test_gated_delta.py", "-k", "packed"), "a packed sequence reads the state its predecessor left"),
 ]
 
 

@@ -114,3 +114,31 @@ def test_bad_shapes_are_named():
         gdr.chunked(t, t, t, g, g, chunk=65)
     with pytest.raises(vkdsl.ShapeError, match="0 < n <= 64"):
         gdr.tri_inverse(vkdsl.tensor(np.zeros((65, 65), np.float32)))
+
+
+@pytest.mark.parametrize("T,chunk,cuts", [(37, 8, (5, 8, 9, 30)), (130, 64, (64, 70)), (20, 64, (1, 2, 19))])
+def test_packed_sequences_are_independent(rng, T, chunk, cuts):
+    """Several sequences in one row (segments: each token's sequence id, as packed training rows
+    give them): each one's outputs and gradients are what it gets alone -- the loop and its
+    hand-derived backward run per sequence. Cuts at and beside chunk boundaries, length-1 sequences."""
+    xs = draw(rng, 2, T, 3, 8, 6, state=False)[:5]
+    bounds = [0, *cuts, T]
+    seg = np.zeros((2, T), np.int32)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        seg[:, a:b] = a                                  # the id: the sequence's first position
+    o_want = np.zeros(xs[2].shape)
+    go = rng.standard_normal(o_want.shape)
+    g_want = [np.zeros(x.shape) for x in xs]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        part = [x[:, a:b] for x in xs]
+        o_want[:, a:b] = ref.recurrent(*part)[0]
+        for gw, g in zip(g_want, ref.recurrent_backward(*part, go[:, a:b])[:5]):
+            gw[:, a:b] = g
+    np.testing.assert_allclose(ref.recurrent(*xs, segments=seg)[0], o_want, rtol=0, atol=1e-12)
+    leaves = [vkdsl.tensor(x.astype(np.float32), requires_grad=True) for x in xs]
+    o, state = gdr.chunked(*leaves, chunk=chunk, segments=vkdsl.tensor(seg))
+    assert state is None
+    grads = grad((o * vkdsl.tensor(go.astype(np.float32))).sum(), leaves)
+    np.testing.assert_allclose(o.numpy(), o_want, rtol=0, atol=2e-6 * np.abs(o_want).max())
+    for i, (g, w) in enumerate(zip(grads, g_want)):
+        np.testing.assert_allclose(g.numpy(), w, rtol=0, atol=5e-6 * np.abs(w).max(), err_msg=f"gradient {i}")

@@ -195,14 +195,14 @@ def test_generation_continues_the_prompt_exactly(tiny):
 
 
 def test_training_run_resumes_bit_identically(tmp_path):
-    """vkdsl-train's SFT stage with adapters on every linear module of the hybrid: a run killed
+    """vkdsl-train's SFT stage (rows packed) with adapters on every linear module of the hybrid: a run killed
     after step 3 and resumed ends with the adapter of an uninterrupted run, bit for bit."""
     from fixtures.train_data import tiny_cfg, tiny_setup
     from vkdsl.train import checkpoint
     from vkdsl.train.trainer import run
     tm, tr, he, pr = tiny_setup(tmp_path / "data")
     folder, _ = fx.write(tmp_path / "qwen35", mtp=False)
-    cfg = tiny_cfg((tm, tr, he, pr), model=str(folder), pack=False, targets=["all-linear"], steps=5,
+    cfg = tiny_cfg((tm, tr, he, pr), model=str(folder), targets=["all-linear"], steps=5,
                    checkpoint_every=2, tmkl=0.1)
     full = run(cfg, tmp_path / "full", evidence_at_end=False)
     assert len(full.names) == 3 * 8 + 7          # 3 DeltaNet layers x 8 modules, the full layer's 7
@@ -245,3 +245,23 @@ def test_peft_round_trip_and_merge(tiny, tmp_path):
     merge(folder, tmp_path / "peft", tmp_path / "merged", out_type="f32")
     c = compare_logits(folder, tmp_path / "peft", tmp_path / "merged", ids)
     assert c["rel_diff"] <= 1e-5 and c["argmax_agreement"] == 1.0, c
+
+
+def test_packed_rows_get_their_own_logits(tiny):
+    """Three rows packed first-fit into one 128-token sequence (train.packing: positions restart,
+    spans per row, padding after them): each row's logits are its logits alone -- neither the
+    attention, nor the DeltaNet's convolution or state, crosses a row. One row crosses a chunk."""
+    import vkdsl
+    from vkdsl.train.packing import Packing
+    _, _, model = tiny
+    rows = [IDS[:20], IDS[3:73], IDS[10:19]]
+    pk = Packing.plan([len(r) for r in rows], 128)
+    padded = np.zeros((3, 128), np.int32)
+    for b, r in enumerate(rows):
+        padded[b, :len(r)] = r
+    assert pk.n_seq == 1
+    fn = vkdsl.trace(lambda ids, pos, spans: model.forward(ids, positions=pos, spans=spans))
+    packed = np.asarray(fn(pk.apply(padded, 0), pk.positions(), pk.spans()))[0]
+    for (s, o), r in zip(pk.place, rows):
+        alone = LogitsFn(model)(np.array([r], np.int32))[0]
+        close(packed[o:o + len(r)], alone, rel=1e-5)
