@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import gated_delta as GD
 from . import reference as R
 from . import reference_quant as Q
 from . import reference_train as T
@@ -82,6 +83,14 @@ def _attention(ins, p, g):
     return {"out": T.attention(*ins), **_grads(*T.attention_backward(*ins, g))}
 
 
+def _gated_delta(ins, p, g):
+    return {"out": GD.recurrent(*ins)[0], **_grads(*GD.recurrent_backward(*ins, g)[:5])}
+
+
+def _tri_inverse(ins, p, g):
+    return {"out": GD.tri_inverse(ins[0]), **_grads(GD.tri_inverse_backward(ins[0], g))}
+
+
 def _kl(ins, p, g):
     loss, rows = T.kl(*ins)
     return {"out": loss, "out_rows": rows, **_grads(*T.kl_backward(*ins, g))}
@@ -125,6 +134,7 @@ def _dequant(fn):
 PHASE2: dict[str, Callable] = {
     "cross_entropy": _cross_entropy, "lora_linear": _lora_linear, "rmsnorm": _rmsnorm,
     "rope": _rope, "silu": _silu, "swiglu": _swiglu, "attention": _attention,
+    "gated_delta": _gated_delta, "tri_inverse": _tri_inverse,
     "kl": _kl, "tmkl": _tmkl, "dpo": _dpo, "adamw": _adamw, "clip_grad_norm": _clip,
     "int4_roundtrip": _int4, "nf4_roundtrip": _nf4,
     "dequant_q8_0": _dequant(Q.dequant_q8_0), "dequant_q4_0": _dequant(Q.dequant_q4_0),
@@ -137,7 +147,8 @@ PHASE2: dict[str, Callable] = {
 # ops whose cases carry an upstream gradient "gout" (same shape as "out"), and the inputs each
 # one's gradients are of (evaluate checks that it returns exactly those)
 GRAD_INPUTS = {"cross_entropy": (0,), "lora_linear": (0, 1, 2, 3), "rmsnorm": (0, 1), "rope": (0,),
-               "silu": (0,), "swiglu": (0, 1), "attention": (0, 1, 2), "kl": (0, 1), "tmkl": (0, 1),
+               "silu": (0,), "swiglu": (0, 1), "attention": (0, 1, 2), "gated_delta": (0, 1, 2, 3, 4),
+               "tri_inverse": (0,), "kl": (0, 1), "tmkl": (0, 1),
                "dpo": (0, 1, 2, 3)}
 BACKWARD_OPS = frozenset(GRAD_INPUTS)
 

@@ -14,11 +14,25 @@ loop's reverse-mode gradient, derived by hand below. Tests compare the three wit
 with central differences.
 
 Layout: q, k (B, T, H, dk), v (B, T, H, dv), g, beta (B, T, H), state (B, H, dk, dv).
-Nothing here imports vkdsl.
+The loop and its backward sum with math.fsum and take exp from golden.elementary, so the stored
+goldens do not depend on BLAS or the CPU. Nothing here imports vkdsl.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from . import elementary as E
+from .reference import exact_sum
+
+
+def _read(S, x):
+    """S^T x per (batch, head): S (..., dk, dv), x (..., dk) -> (..., dv)."""
+    return exact_sum(S * x[..., :, None], axis=-2)
+
+
+def _apply(S, y):
+    """S y: S (..., dk, dv), y (..., dv) -> (..., dk)."""
+    return exact_sum(S * y[..., None, :], axis=-1)
 
 
 def _f64(*xs):
@@ -40,11 +54,10 @@ def recurrent(q, k, v, g, beta, state=None, scale=None, segments=None):
     for t in range(T):
         if segments is not None and t > 0:
             S = S * (np.asarray(segments)[:, t] == np.asarray(segments)[:, t - 1])[:, None, None, None]
-        S = S * np.exp(g[:, t])[..., None, None]
-        read = np.einsum("bhkv,bhk->bhv", S, k[:, t])
-        d = beta[:, t][..., None] * (v[:, t] - read)
+        S = S * E.exp(g[:, t])[..., None, None]
+        d = beta[:, t][..., None] * (v[:, t] - _read(S, k[:, t]))
         S = S + k[:, t][..., :, None] * d[..., None, :]
-        o[:, t] = s * np.einsum("bhkv,bhk->bhv", S, q[:, t])
+        o[:, t] = s * _read(S, q[:, t])
     return o, S
 
 
@@ -112,8 +125,8 @@ def recurrent_backward(q, k, v, g, beta, gout, state=None, gstate=None, scale=No
     states = [S]                                   # S_{t-1} before step t, then S_T
     reads, writes = [], []
     for t in range(T):
-        Sd = S * np.exp(g[:, t])[..., None, None]
-        r = np.einsum("bhkv,bhk->bhv", Sd, k[:, t])
+        Sd = S * E.exp(g[:, t])[..., None, None]
+        r = _read(Sd, k[:, t])
         d = beta[:, t][..., None] * (v[:, t] - r)
         S = Sd + k[:, t][..., :, None] * d[..., None, :]
         reads.append(r)
@@ -123,19 +136,18 @@ def recurrent_backward(q, k, v, g, beta, gout, state=None, gstate=None, scale=No
     dq, dk_, dv_ = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     dg, dbeta = np.zeros(g.shape), np.zeros(beta.shape)
     for t in reversed(range(T)):
-        a = np.exp(g[:, t])
+        a = E.exp(g[:, t])
         kt, go, d, r, prev = k[:, t], gout[:, t], writes[t], reads[t], states[t]
         L = L + s * q[:, t][..., :, None] * go[..., None, :]
-        dq[:, t] = s * np.einsum("bhkv,bhv->bhk", states[t + 1], go)
-        dk_[:, t] = np.einsum("bhkv,bhv->bhk", L, d)
-        dd = np.einsum("bhkv,bhk->bhv", L, kt)
+        dq[:, t] = s * _apply(states[t + 1], go)
+        dd = _read(L, kt)
         dv_[:, t] = beta[:, t][..., None] * dd
-        dbeta[:, t] = ((v[:, t] - r) * dd).sum(-1)
+        dbeta[:, t] = exact_sum((v[:, t] - r) * dd, axis=-1)
         dr = -beta[:, t][..., None] * dd
-        Sd = a[..., None, None] * prev
-        dk_[:, t] += np.einsum("bhkv,bhv->bhk", Sd, dr)
+        both = np.concatenate([L * d[..., None, :], (a[..., None, None] * prev) * dr[..., None, :]], axis=-1)
+        dk_[:, t] = exact_sum(both, axis=-1)              # L d_t + S' dr, as one sum
         L = L + kt[..., :, None] * dr[..., None, :]
-        dg[:, t] = a * (L * prev).sum((-1, -2))
+        dg[:, t] = a * exact_sum((L * prev).reshape(*prev.shape[:-2], -1), axis=-1)
         L = a[..., None, None] * L
     return dq, dk_, dv_, dg, dbeta, L
 
@@ -157,3 +169,23 @@ def causal_conv(x, w, state=None):
     full = np.concatenate([prev, x], axis=1)
     y = sum(w[:, j] * full[:, j:j + T] for j in range(K))
     return y, full[:, T:]
+
+
+def tri_inverse(a) -> np.ndarray:
+    """(I + A)^-1 for strictly lower-triangular A (..., n, n) (only below the diagonal is read), by
+    forward substitution: row i of the inverse is e_i minus A's row i times the rows above it."""
+    a = np.tril(np.asarray(a, np.float64), -1)
+    n = a.shape[-1]
+    t = np.zeros(a.shape)
+    for i in range(n):
+        t[..., i, i] = 1.0
+        if i:
+            t[..., i, :i] = -exact_sum(a[..., i, :i, None] * t[..., :i, :i], axis=-2)
+    return t
+
+
+def tri_inverse_backward(a, g) -> np.ndarray:
+    """Gradient of sum(T * g), T = (I + A)^-1, w.r.t. A's entries below the diagonal: -T^T g T^T."""
+    from .reference import matmul
+    tt = np.swapaxes(tri_inverse(a), -1, -2)
+    return np.tril(-matmul(matmul(tt, g, batch=True), tt, batch=True), -1)
