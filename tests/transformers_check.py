@@ -9,6 +9,8 @@ Needs torch, transformers >= 5 and peft beside vkdsl (not dependencies of vkdsl 
 scratch environment holds them), so it is a command, not part of the suite:
 
     python tests/transformers_check.py        # prints both errors; exit 1 if either is above 1e-5
+    python tests/transformers_check.py RUN    # also the PEFT adapter of a vkdsl-train run (RUN/adapter)
+                                              # made on tests/fixtures/qwen35/hf, against PEFT there
 
 transformers computes the delta rule and the gated norm in float32 even for a float64 model, so
 the agreement is ~1e-6 of the largest logit, not float64's."""
@@ -71,7 +73,24 @@ def main() -> int:
               f"{len(peft_model.peft_config['default'].target_modules)} module kinds: max |diff| / max |logit| = {e2:.2e}")
         moved = rel(theirs, base)
         print(f"  (the adapter moves transformers' logits by {moved:.2e} of the largest: not a no-op)")
-    return 0 if e1 <= 1e-5 and e2 <= 1e-5 and moved > 1e-2 else 1
+    ok = e1 <= 1e-5 and e2 <= 1e-5 and moved > 1e-2
+    if len(sys.argv) > 1:                       # a trained run's own PEFT export, on the committed fixture
+        from vkdsl.models import load_checkpoint, load_tokenizer
+        from vkdsl.models.adapters import load_adapter
+        from vkdsl.models.build import build_model
+        from vkdsl.models.llama import LogitsFn
+        hf = Path(__file__).parent / "fixtures" / "qwen35" / "hf"
+        run = Path(sys.argv[1]) / "adapter"
+        model = build_model(load_checkpoint(hf))
+        load_adapter(model, run, load_tokenizer(hf), force=True)
+        ours = LogitsFn(model)(np.array([IDS], np.int32))[0]
+        base = Qwen3_5ForCausalLM.from_pretrained(hf, dtype=torch.float64).eval()
+        with torch.no_grad():
+            theirs = PeftModel.from_pretrained(base, run).eval()(torch.tensor([IDS])).logits[0].numpy()
+        e3 = rel(ours, theirs)
+        print(f"{run}: vkdsl vs PEFT on transformers: {e3:.2e} of the largest logit")
+        ok &= e3 <= 1e-4
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
