@@ -312,13 +312,14 @@ def config_from_gguf(reader, path) -> Qwen35Config:
     if "token_embd.weight" not in names:
         raise ModelFileError(f"{path}: missing tensor 'token_embd.weight'")
     recurrent = key("attention.recurrent_layers", None)
-    n = int(key("block_count"))
+    n = int(key("block_count")) - int(key("nextn_predict_layers", 0))     # MTP blocks come last: read past
     if recurrent is None:
         every = int(key("full_attention_interval", 4))
         recurrent = [(i + 1) % every != 0 for i in range(n)]
-    if len(recurrent) != n:
+    if len(recurrent) < n or n <= 0:
         raise ModelFileError(f"{path}: qwen35.attention.recurrent_layers has {len(recurrent)} entries for "
-                             f"{n} blocks (a file with MTP layers: convert it with --no-mtp)")
+                             f"{n} blocks")
+    recurrent = recurrent[:n]
     Hk, Hv = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
     inner = int(key("ssm.inner_size"))
     if Hv <= 0 or inner % Hv:
@@ -345,10 +346,14 @@ def config_from_gguf(reader, path) -> Qwen35Config:
 
 def load_gguf(reader, path: Path) -> LlamaCheckpoint:
     """A qwen35 GGUF as llama.cpp's converter writes it: the values already in the GGUF convention
-    (1 + w norms, A, the conv as (channels, kernel)), value heads in the tiled order."""
+    (1 + w norms, A, the conv as (channels, kernel)), value heads in the tiled order. Blocks past
+    block_count - nextn_predict_layers (multi-token prediction) are read past."""
     c = config_from_gguf(reader, path)
     tensors = {}
     for t in reader.tensors:
+        block = re.match(r"blk\.(\d+)\.", t.name)
+        if block and int(block.group(1)) >= c.n_layers:
+            continue                        # a multi-token-prediction block: not used here
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         tensors[t.name] = TensorRecord(t.name, t.tensor_type.name, shape, np.asarray(t.data).view(np.uint8))
     check(tensors, c, path)

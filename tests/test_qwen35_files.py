@@ -81,25 +81,52 @@ def test_gguf_lora_is_in_the_files_order(models, tmp_path):
     assert c["rel_diff"] <= 1e-4 and c["argmax_agreement"] == 1.0, c
 
 
-def test_misshapen_deltanet_tensor_is_named(tmp_path):
+def _rewrite(dst, fields=lambda name, value: value, tensors=lambda name, data: data, extra=(), keys=()):
+    """A copy of the fixture GGUF with metadata values or tensors changed, tensors and uint32 keys added."""
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
     reader = GGUFReader(GGUF)
-    w = GGUFWriter(tmp_path / "bad.gguf", "qwen35")
+    w = GGUFWriter(dst, "qwen35")
     for name, f in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         vtype = GGUFValueType(int(f.types[0]))
         sub = GGUFValueType(int(f.types[-1])) if vtype == GGUFValueType.ARRAY and len(f.types) > 1 else None
-        w.add_key_value(name, f.contents(), vtype, sub_type=sub)
+        w.add_key_value(name, fields(name, f.contents()), vtype, sub_type=sub)
+    for name, value in keys:
+        w.add_uint32(name, value)
     for t in reader.tensors:
-        data = np.asarray(t.data)
-        if t.name == "blk.1.ssm_conv1d.weight":
-            data = np.zeros((128, 3), np.float32)          # a kernel of 3 where the keys say 4
-        w.add_tensor(t.name, data, raw_dtype=t.tensor_type if t.name != "blk.1.ssm_conv1d.weight" else None)
+        data = tensors(t.name, None)
+        if data is None:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        else:
+            w.add_tensor(t.name, data)
+    for name, data in extra:
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return dst
+
+
+def test_misshapen_deltanet_tensor_is_named(tmp_path):
+    path = _rewrite(tmp_path / "bad.gguf", tensors=lambda name, data: np.zeros((128, 3), np.float32)
+                    if name == "blk.1.ssm_conv1d.weight" else None)       # a kernel of 3 where the keys say 4
     with pytest.raises(ModelFileError, match=r"'blk.1.ssm_conv1d.weight' has shape \(128, 3\), the config implies "
                                              r"\(128, 4\)"):
-        load_checkpoint(tmp_path / "bad.gguf")
+        load_checkpoint(path)
+
+
+def test_multi_token_prediction_blocks_are_read_past(tmp_path):
+    """A GGUF converted with its MTP layer (block_count + 1, nextn_predict_layers = 1, the extra
+    block's tensors) loads as the model without it: the same logits."""
+    def fields(name, value):
+        if name == "qwen35.block_count":
+            return value + 1
+        return value + [False] if name == "qwen35.attention.recurrent_layers" else value
+    path = _rewrite(tmp_path / "mtp.gguf", fields, keys=[("qwen35.nextn_predict_layers", 1)],
+                    extra=[("blk.4.nextn.eh_proj.weight", np.ones((64, 128), np.float32)),
+                           ("blk.4.attn_norm.weight", np.ones(64, np.float32))])
+    model = build_model(load_checkpoint(path))
+    assert model.cfg.n_layers == 4
+    assert rel(LogitsFn(model)(IDS[None])[0], WANT) <= 1e-4
