@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import gated_delta as GD
 from .elementary import pow_pos
 
 @dataclass
@@ -300,19 +301,11 @@ def layer_cases():
     # with padding; the model's head size 128 in one chunk) and its chunk solve
     for t, h, dk, dv, chunk in [(37, 3, 8, 6, 8), (130, 2, 16, 16, 64), (64, 1, 128, 128, 64)]:
         out.append(Case(f"gated_delta[{t}x{h}x{dk}x{dv},chunk={chunk}]", "gated_delta", {"chunk": chunk},
-                        lambda r, t=t, h=h, dk=dk, dv=dv: _delta_inputs(r, t, h, dk, dv), (1, t, h, dv)))
+                        lambda r, t=t, h=h, dk=dk, dv=dv: GD.draw(r, t, h, dk, dv), (1, t, h, dv)))
     for shape in [(6, 7, 7), (4, 64, 64)]:
         out.append(Case(f"tri_inverse[{shp(shape)}]", "tri_inverse", {},
                         lambda r, s=shape: [np.tril(N(r, s, 0.3), -1)], shape))
     return out
-
-
-def _delta_inputs(r, t, h, dk, dv):
-    """q and k of unit length (the layer's l2norm), decays g in (-1, 0), write strengths in (0, 1)."""
-    def unit(x):
-        return (x / np.sqrt((x.astype(np.float64) ** 2).sum(-1, keepdims=True))).astype(np.float32)
-    return [unit(N(r, (1, t, h, dk))), unit(N(r, (1, t, h, dk))), N(r, (1, t, h, dv)),
-            U(r, (1, t, h), -1.0, -0.01), U(r, (1, t, h), 0.05, 0.95)]
 
 
 def optim_cases():

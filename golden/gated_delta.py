@@ -189,3 +189,15 @@ def tri_inverse_backward(a, g) -> np.ndarray:
     from .reference import matmul
     tt = np.swapaxes(tri_inverse(a), -1, -2)
     return np.tril(-matmul(matmul(tt, g, batch=True), tt, batch=True), -1)
+
+
+def draw(rng, t: int, h: int, dk: int, dv: int) -> list:
+    """float32 inputs of one sequence (batch 1) as the layer gives them: q and k of unit length,
+    v standard normal, decays g in (-1, -0.01), write strengths beta in (0.05, 0.95)."""
+    def unit(x):
+        return (x / np.sqrt((x ** 2).sum(-1, keepdims=True))).astype(np.float32)
+    q = unit(np.asarray(rng.standard_normal((1, t, h, dk)), np.float32).astype(np.float64))
+    k = unit(np.asarray(rng.standard_normal((1, t, h, dk)), np.float32).astype(np.float64))
+    v = np.asarray(rng.standard_normal((1, t, h, dv)), np.float32)
+    return [q, k, v, np.asarray(rng.uniform(-1.0, -0.01, (1, t, h)), np.float32),
+            np.asarray(rng.uniform(0.05, 0.95, (1, t, h)), np.float32)]

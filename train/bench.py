@@ -17,6 +17,7 @@ import numpy as np
 from vkdsl.models import load_model_files
 from vkdsl.models.bench import numpy_forward
 from vkdsl.models.default import default_model_path
+from vkdsl.models.build import build_model
 from vkdsl.models.llama import Llama
 from vkdsl.runtime import default_device
 from vkdsl.runtime.errors import DeviceMemoryError
@@ -93,13 +94,13 @@ TARGETS = {"q,v": ("attn_q", "attn_v"), "all seven": ALL}
 
 
 def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=tuple(TARGETS), steps=0,
-              lr=1e-4):
+              lr=1e-4, modules=TARGETS):
     T = min(T, model.cfg.context_length)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
     labels = np.roll(ids, -1, axis=1)
     rows = []
-    for name, mods in ((n, TARGETS[n]) for n in targets):
+    for name, mods in ((n, modules[n]) for n in targets):
         dev = default_device()
         dev.peak_bytes = dev.allocated_bytes            # each case reports its own peak
         st, params = sft_stepper(model, mods, checkpoint=checkpoint)
@@ -245,13 +246,15 @@ def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False, 
     TrainConfig(checkpoint=checkpoint).validate()          # a bad value is one line before any work
     (B, T), picked = parse_shape(shape), parse_targets(targets)
     ck, tok = load_model_files(path or default_model_path())
-    model = Llama(ck)
+    model = build_model(ck)
+    hybrid = model.cfg.arch == "qwen35"         # no Llama numpy forward beside it; "all": every projection
+    modules = {**TARGETS, "all seven": ("all-linear",)} if hybrid else TARGETS
     if objective == "dpo":
         return bench_dpo(model)
     if plan_only:
-        return bench_sft(model, None, B, T, checkpoint, plan_only=True, targets=picked)
-    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()} if T <= 512 else None
-    rows = bench_sft(model, w, B, T, checkpoint, targets=picked, steps=steps, lr=lr)
+        return bench_sft(model, None, B, T, checkpoint, plan_only=True, targets=picked, modules=modules)
+    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()} if T <= 512 and not hybrid else None
+    rows = bench_sft(model, w, B, T, checkpoint, targets=picked, steps=steps, lr=lr, modules=modules)
     if path or checkpoint != "none" or (B, T) != (4, 256) or picked != tuple(TARGETS) or steps:
         return rows                     # the default job: its own model, settings and shapes
     del model
