@@ -165,18 +165,27 @@ def _gpt2_piece_end(s: str, i: int) -> int:
     return j if j == n or j - i == 1 else j - 1
 
 
-def _split_piece_end(s: str, i: int, max_digits: int) -> int:
+def _split_piece_end(s: str, i: int, max_digits: int, marks: bool = False) -> int:
     """End of the match at i of Llama 3's / Qwen2's split regex, alternatives in order:
     (?i:'s|'t|'re|'ve|'m|'ll|'d) | [^\\r\\n\\p{L}\\p{N}]?\\p{L}+ | \\p{N}{1,max_digits} |
-     ?[^\\s\\p{L}\\p{N}]+[\\r\\n]* | \\s*[\\r\\n]+ | \\s+(?!\\S) | \\s+"""
+     ?[^\\s\\p{L}\\p{N}]+[\\r\\n]* | \\s*[\\r\\n]+ | \\s+(?!\\S) | \\s+
+    marks (Qwen3.5's): words are [\\p{L}\\p{M}]+ and the symbol runs exclude \\p{M} too."""
     n = len(s)
+
+    def _word(c):
+        return _letter(c) or (marks and unicodedata.category(c)[0] == "M")
+
+    def _sym(c):
+        return _other(c) and not (marks and unicodedata.category(c)[0] == "M")
     if s[i] == "'":
         for suffix in ("s", "t", "re", "ve", "m", "ll", "d"):
             if s[i + 1:i + 1 + len(suffix)].lower() == suffix:
                 return i + 1 + len(suffix)
     k = i + 1 if s[i] not in "\r\n" and not _letter(s[i]) and not _number(s[i]) else i
-    if k < n and _letter(s[k]):                      # one optional leading non-letter, then letters
-        while k < n and _letter(s[k]):
+    if k > i and not (k < n and _word(s[k])) and _word(s[i]):
+        k = i                        # a mark led and no word follows: without the option, it is the word
+    if k < n and _word(s[k]):                        # one optional leading non-letter, then letters
+        while k < n and _word(s[k]):
             k += 1
         return k
     if _number(s[i]):
@@ -184,9 +193,9 @@ def _split_piece_end(s: str, i: int, max_digits: int) -> int:
         while k < n and k - i < max_digits and _number(s[k]):
             k += 1
         return k
-    k = i + 1 if s[i] == " " and i + 1 < n and _other(s[i + 1]) else i
-    if _other(s[k]):
-        while k < n and _other(s[k]):
+    k = i + 1 if s[i] == " " and i + 1 < n and _sym(s[i + 1]) else i
+    if _sym(s[k]):
+        while k < n and _sym(s[k]):
             k += 1
         while k < n and s[k] in "\r\n":
             k += 1
@@ -204,11 +213,12 @@ def _split_piece_end(s: str, i: int, max_digits: int) -> int:
 def pretokenize(text: str, split_digits: bool, style: str = "gpt2") -> list[str]:
     """Pre-tokenizer pieces. style gpt2: GPT-2's regex, split_digits first isolating every \\p{N}
     (SmolLM2, StarCoder); llama3: Llama 3's regex (up to three digits together); qwen2: the
-    same regex with single digits (the caller NFC-normalizes first, as Qwen's tokenizer does)."""
-    if style in ("llama3", "qwen2"):
+    same regex with single digits (the caller NFC-normalizes first, as Qwen's tokenizer does);
+    qwen35: qwen2's with combining marks (\\p{M}) inside words (Qwen3.5)."""
+    if style in ("llama3", "qwen2", "qwen35"):
         pieces, i, most = [], 0, 3 if style == "llama3" else 1
         while i < len(text):
-            j = _split_piece_end(text, i, most)
+            j = _split_piece_end(text, i, most, marks=style == "qwen35")
             pieces.append(text[i:j])
             i = j
         return pieces
@@ -255,7 +265,7 @@ def bpe_encode(text: str, tokens: list[str], merges: list[str], specials: list[s
     ids: list[int] = []
 
     def plain(segment: str) -> None:
-        if style == "qwen2":
+        if style in ("qwen2", "qwen35"):
             segment = unicodedata.normalize("NFC", segment)
         for piece in pretokenize(segment, split_digits, style):
             word = [byte_char[b] for b in piece.encode("utf-8")]

@@ -41,6 +41,9 @@ def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# Qwen3.5's: combining marks belong to words (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35)
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # tokenizer.ggml.pre -> (pre-tokenizer, NFC-normalize first). Following llama.cpp: STARCODER,
 # REFACT, COMMAND_R, SMOLLM, CODESHELL isolate digits and run GPT-2's regex; GPT2, MPT, OLMO run
@@ -51,7 +54,8 @@ _PRE = {**{name: (lambda: _byte_level(False), False) for name in ("gpt2", "mpt",
         **{name: (lambda: _byte_level(True), False)
            for name in ("smollm", "starcoder", "refact", "command-r", "codeshell")},
         "llama-bpe": (lambda: _split_then_bytes(_LLAMA3_SPLIT), False),
-        "qwen2": (lambda: _split_then_bytes(_QWEN2_SPLIT), True)}
+        "qwen2": (lambda: _split_then_bytes(_QWEN2_SPLIT), True),
+        "qwen35": (lambda: _split_then_bytes(_QWEN35_SPLIT), True)}
 
 # GGUF token types (gguf.TokenType): 2 UNKNOWN, 3 CONTROL and 4 USER_DEFINED are matched verbatim in
 # text; 1 NORMAL tokens are what BPE merges into; 6 BYTE are SentencePiece's <0xNN> fallbacks.
