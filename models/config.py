@@ -95,6 +95,10 @@ class LlamaConfig:
     def gguf_pairs(self) -> bool:
         return ARCHS[self.arch]["gguf_pairs"]
 
+    def linears(self, i: int) -> tuple:
+        """The linear modules of layer i (every layer has the same)."""
+        return LINEARS
+
     @property
     def rotary_dim(self) -> int:
         return self.head_dim        # RoPE turns every feature of a head (Qwen3.5 turns fewer)

@@ -125,7 +125,7 @@ class Llama:
     def device_bytes(self) -> dict:
         """Bytes the weights occupy on the device (from the allocations) vs the same weights in fp32."""
         ws = list(self.linear.values()) + [self.embed] + ([self.head] if self.head is not self.embed else [])
-        vectors = list(self.norm.values()) + list(self.bias.values())
+        vectors = list(self.vector.values())
         dev = sum(w.device_bytes for w in ws) + sum(t.buffer.nbytes for t in vectors)
         fp32 = sum(w.fp32_bytes for w in ws) + sum(t.size * 4 for t in vectors)
         return {"device_bytes": dev, "fp32_bytes": fp32}
@@ -140,7 +140,7 @@ class Llama:
 
     def _adapter_tensors(self, layers, adapters_on):
         """The LoRA A and B tensors of those layers (what a checkpointed group's backward differentiates)."""
-        los = [self.lora.get(f"blk.{i}.{m}") for i in layers for m in LINEARS] if adapters_on else []
+        los = [self.lora.get(f"blk.{i}.{m}") for i in layers for m in self.cfg.linears(i)] if adapters_on else []
         return [t for lo in los if lo is not None for t in (lo.A, lo.B)]
 
     def _layer(self, i, x, adapters_on, cos, sin, kv, mask, spans=None):
@@ -186,7 +186,7 @@ class Llama:
             raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
         if positions is not None:
             flat = positions.reshape(B * T)
-            cos, sin = (t.gather(flat).reshape(B, T, D // 2) for t in (self._cos, self._sin))
+            cos, sin = (t.gather(flat).reshape(B, T, c.rotary_dim // 2) for t in (self._cos, self._sin))
         elif cos is None:
             cos, sin = self._cos[:T], self._sin[:T]
         x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
@@ -202,7 +202,7 @@ class Llama:
             x = checkpoint_fn(blocks, x, self._adapter_tensors(group, adapters_on)) if K else blocks(x)
         if stop is not None:
             return x
-        x = nn.rmsnorm(x, self.norm["output_norm.weight"], c.norm_eps)
+        x = nn.rmsnorm(x, self.vector["output_norm.weight"], c.norm_eps)
         if hidden_only:
             return x
         return self.head(x.reshape(B * T, c.dim)).reshape(B, T, c.vocab_size)

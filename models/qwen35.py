@@ -1,7 +1,7 @@
 """Qwen3.5's forward pass on the device, from vkdsl ops: three of every four layers mix tokens with
 a Gated DeltaNet (ops/gated_delta.py), the others with gated full attention; every layer then has
-the SwiGLU MLP. The same interface as models.llama.Llama for what the forward, the logits and
-LoRA need (cfg, lora, forward, head, logit_rows, device_bytes).
+the SwiGLU MLP. A models.llama.Llama with other layers: the embedding, the layer groups (and their
+recomputation in the backward), the final norm, the head, the adapters and generation are Llama's.
 
 Gated DeltaNet layer (transformers' Qwen3_5GatedDeltaNet):
   qkv = causal depthwise conv (kernel 4) of in_proj_qkv(x), then SiLU; split into q, k (key heads)
@@ -20,15 +20,13 @@ import numpy as np
 
 import vkdsl
 from vkdsl import Tensor
-from vkdsl.autograd import checkpoint as checkpoint_fn
 from vkdsl.ops import attention, gated_delta, nn
-from vkdsl.realize import depends_on
 from vkdsl.runtime import default_device
 
-from .llama import AdapterTable
+from .llama import AdapterTable, Llama
 from .qwen35_files import Qwen35Config
 from .tensors import LlamaCheckpoint
-from .weights import binding_limit, device_weight, planned_bytes
+from .weights import device_weight, planned_bytes
 
 CHUNK = 64          # the delta rule's chunk length in training and prompts
 
@@ -71,7 +69,10 @@ def rope_halves(x: Tensor, cos: Tensor, sin: Tensor, rot: int) -> Tensor:
     return gated_delta._concat(parts, 3)
 
 
-class Qwen35:
+class Qwen35(Llama):
+    """Llama's forward (the embedding, the layer groups and their recomputation, the final norm and
+    head), with Qwen3.5's layers."""
+
     def __init__(self, ckpt: LlamaCheckpoint, quant: str = "keep"):
         self.cfg: Qwen35Config = ckpt.config
         self.source, self.format = ckpt.source, ckpt.format
@@ -82,8 +83,9 @@ class Qwen35:
         self.linear = {f"blk.{i}.{m}": device_weight(ckpt[f"blk.{i}.{m}.weight"], quant)
                        for i in range(c.n_layers) for m in c.linears(i)}
         matrices = {n + ".weight" for n in self.linear} | {"token_embd.weight", "output.weight"}
-        self.vector = {n: vkdsl.tensor(ckpt[n].dequantize(), name=n)      # norms, conv, dt, A
-                       for n in ckpt.tensors if n not in matrices}
+        self._vectors = {n: vkdsl.tensor(ckpt[n].dequantize(), name=n)    # norms, conv, dt, A
+                         for n in ckpt.tensors if n not in matrices}
+        self.bias = {}
         self.embed = device_weight(ckpt["token_embd.weight"], quant)
         self.head = device_weight(ckpt["output.weight"], quant) if "output.weight" in ckpt.tensors \
             else self.embed.as_linear()
@@ -92,31 +94,8 @@ class Qwen35:
         self._cos, self._sin = vkdsl.tensor(cos, name="rope_cos"), vkdsl.tensor(sin, name="rope_sin")
 
     @property
-    def lora(self) -> AdapterTable:
-        return self._lora
-
-    @lora.setter
-    def lora(self, table):
-        self._lora = AdapterTable(table)
-
-    @property
-    def logit_rows(self) -> int:
-        return max(1, min(256, min(48 << 20, binding_limit()) // (4 * self.cfg.vocab_size)))
-
-    def device_bytes(self) -> dict:
-        ws = list(self.linear.values()) + [self.embed] + ([self.head] if self.head is not self.embed else [])
-        dev = sum(w.device_bytes for w in ws) + sum(t.buffer.nbytes for t in self.vector.values())
-        fp32 = sum(w.fp32_bytes for w in ws) + sum(t.size * 4 for t in self.vector.values())
-        return {"device_bytes": dev, "fp32_bytes": fp32}
-
-    def _lin(self, name, x, adapters_on):
-        y = self.linear[name](x)
-        lo = self.lora.get(name)
-        return y + lo.delta(x) if (lo is not None and adapters_on) else y
-
-    def _adapter_tensors(self, layers, adapters_on):
-        los = [self.lora.get(f"blk.{i}.{m}") for i in layers for m in self.cfg.linears(i)] if adapters_on else []
-        return [t for lo in los if lo is not None for t in (lo.A, lo.B)]
+    def vector(self) -> dict:
+        return self._vectors
 
     def _full_attention(self, i, p, h, B, T, adapters_on, cos, sin, kv, mask, spans):
         c = self.cfg
@@ -192,38 +171,3 @@ class Qwen35:
         h = nn.rmsnorm(x, self.vector[p + "post_attention_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
         f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
         return x + self._lin(p + "ffn_down", f, adapters_on).reshape(B, T, c.dim)
-
-    def forward(self, ids: Tensor, adapters_on: bool = True, cos=None, sin=None, kv=None, mask=None,
-                hidden_only: bool = False, start: int = 0, stop: int | None = None, checkpoint: int = 0,
-                positions=None, spans=None) -> Tensor:
-        """ids (B, T) int32 -> logits (B, T, vocab); the arguments as Llama.forward's (kv: a
-        models.generate.StateCache; positions and spans: packed sequences, which neither attention
-        nor the DeltaNet's convolution and state carry across)."""
-        c = self.cfg
-        B, T = ids.shape[:2]
-        depends_on(lambda: self.lora.version)
-        if T > c.context_length:
-            raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
-        if positions is not None:
-            flat = positions.reshape(B * T)
-            cos, sin = (t.gather(flat).reshape(B, T, c.rotary_dim // 2) for t in (self._cos, self._sin))
-        elif cos is None:
-            cos, sin = self._cos[:T], self._sin[:T]
-        x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
-        end = c.n_layers if stop is None else stop
-        K = checkpoint if kv is None else 0
-        for g0 in range(start, end, K or max(1, end - start)):
-            group = range(g0, min(end, g0 + K) if K else end)
-
-            def blocks(x, group=group):
-                for i in group:
-                    x = self._layer(i, x, adapters_on, cos, sin, kv, mask, spans)
-                return x
-            x = checkpoint_fn(blocks, x, self._adapter_tensors(group, adapters_on)) if K else blocks(x)
-        if stop is not None:
-            return x
-        x = nn.rmsnorm(x, self.vector["output_norm.weight"], c.norm_eps)
-        if hidden_only:
-            return x
-        return self.head(x.reshape(B * T, c.dim)).reshape(B, T, c.vocab_size)
-
