@@ -82,6 +82,9 @@ class Qwen35Config:
         if self.n_heads % self.n_kv_heads or self.lin_v_heads % self.lin_k_heads:
             raise ModelFileError(f"Qwen35Config: query heads {self.n_heads} / kv heads {self.n_kv_heads} and "
                                  f"value heads {self.lin_v_heads} / key heads {self.lin_k_heads} must divide")
+        if not 2 <= self.conv_kernel <= 16:
+            raise ModelFileError(f"Qwen35Config.conv_kernel = {self.conv_kernel} (linear_conv_kernel_dim): the "
+                                 f"convolution and its generation cache take kernels of 2 to 16 taps")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ModelFileError(f"Qwen35Config.rotary_dim {self.rotary_dim}: expected even, at most head_dim "
                                  f"{self.head_dim}")

@@ -57,6 +57,7 @@ def test_multimodal_wrapper_loads_its_text_part(tmp_path):
     (lambda c: c.update(layer_types=["linear_attention"] * 3 + ["sliding"]), "layer_types"),
     (lambda c: c.update(linear_key_head_dim="16"), 'linear_key_head_dim = "16"'),
     (lambda c: c["rope_parameters"].update(rope_type="yarn"), "rope_type 'default'"),
+    (lambda c: c.update(linear_conv_kernel_dim=1), "linear_conv_kernel_dim"),
 ])
 def test_bad_config_is_one_line(tmp_path, edit, match):
     cfg = json.loads(json.dumps(fx.CONFIG))
