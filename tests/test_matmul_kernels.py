@@ -1,13 +1,16 @@
 """fp32 matmul kernels (vkdsl/matmul.py, kernels/matmul*.glsl) against numpy float64.
 
-Every form (nn, nt, tn) x both variants (lvp: register-blocked, gpu: shared-memory tiles; both run
-on any device) x odd shapes that take each load width (VEC 8 / 4 / 1) and store width, batched
-with broadcast operands, with sentinels after the output. Run: pytest tests/test_matmul_kernels.py
+Every form (nn, nt, tn) x the variants (lvp: register-blocked, reading its operands as texel
+buffers on a CPU driver, or as storage buffers ("lvp-storage", and on GPUs); gpu: shared-memory
+tiles; all run on any device) x odd shapes that take each load width (VEC 8 / 4 / 1) and store
+width, batched with broadcast operands, with sentinels after the output.
+Run: pytest tests/test_matmul_kernels.py
 """
 
 import numpy as np
 import pytest
 
+import vkdsl.matmul as mm
 from vkdsl.handwritten import PushLayout
 from vkdsl.matmul import PUSH, plan_matmul, record_matmul
 from vkdsl.runtime import Buffer, Recording
@@ -25,7 +28,12 @@ def reference(a, b, ta, tb):
 
 def run(dev, M, N, K, ta=False, tb=False, variant=None, batch=None, bcast=None, seed=0):
     """C = op(A) . op(B) on the device; batch=None: 2-D; bcast='a'|'b': that operand is 2-D with
-    batch stride 0. Returns (device result, float64 reference, |A|.|B| in float64)."""
+    batch stride 0; variant 'lvp-storage': the lvp kernel with storage-buffer loads. Returns
+    (device result, float64 reference, |A|.|B| in float64, the plan)."""
+    if variant == "lvp-storage":
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(mm, "texel_fits", lambda *a: False)
+            return run(dev, M, N, K, ta, tb, "lvp", batch, bcast, seed)
     rng = np.random.default_rng(seed)
     nb = batch or 1
     sa, sb = ((K, M) if ta else (M, K)), ((N, K) if tb else (K, N))
@@ -69,17 +77,21 @@ SHAPES = [(1, 1, 1), (3, 7, 5), (33, 40, 24), (12, 20, 12), (16, 24, 40), (7, 10
           (5, 9, 1023), (64, 64, 64)]
 
 
-@pytest.mark.parametrize("variant", ["lvp", "gpu"])
+VARIANTS = ["lvp", "lvp-storage", "gpu"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: FORM_ID[f])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matmul_forms(dev, variant, form, shape):
     M, N, K = shape
     got, ref, mag, p = run(dev, M, N, K, *form, variant=variant)
-    assert variant in p.name and FORM_ID[form] in p.name
+    assert variant[:3] in p.name and FORM_ID[form] in p.name
+    assert ("_lvp_v" in p.name) == (variant == "lvp-storage" or (variant == "lvp" and dev.info.kind != "cpu"))
     assert_close(got, ref, mag, K, p.name)
 
 
-@pytest.mark.parametrize("variant", ["lvp", "gpu"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: FORM_ID[f])
 @pytest.mark.parametrize("bcast", [None, "a", "b"])
 def test_matmul_batched(dev, variant, form, bcast):
@@ -105,9 +117,22 @@ def test_matmul_tt(dev, variant):
 def test_variant_choice(dev):
     p = plan_matmul(dev, M=64, N=64, K=64)
     assert ("lvp" if dev.info.kind == "cpu" else "gpu") in p.name
-    if dev.info.kind == "cpu":
-        assert plan_matmul(dev, M=8, N=8, K=8).name.endswith("_v8s4" if dev.limits.int64 else "_v4s4")
-        assert plan_matmul(dev, M=3, N=5, K=7).name.endswith("_v1s1")
+    if dev.info.kind == "cpu":       # lavapipe: texel-buffer loads, vec4 where the shapes allow
+        assert plan_matmul(dev, M=8, N=8, K=8).name.endswith("_t4s4")
+        assert plan_matmul(dev, M=3, N=5, K=7).name.endswith("_t1s1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mm, "texel_fits", lambda *a: False)
+        assert plan_matmul(dev, M=8, N=8, K=8, variant="lvp").name.endswith("_v8s4" if dev.limits.int64 else "_v4s4")
+        assert plan_matmul(dev, M=3, N=5, K=7, variant="lvp").name.endswith("_v1s1")
+
+
+def test_texel_loads_stop_at_the_device_limit(dev, monkeypatch):
+    # an operand longer than maxTexelBufferElements falls back to storage-buffer loads
+    if dev.info.kind != "cpu" or not dev.limits.max_texel_elements:
+        pytest.skip("texel loads are a CPU-driver choice")
+    lim = dev.limits.max_texel_elements
+    assert "_lvp_t" in plan_matmul(dev, M=1, N=64, K=lim // 64).name
+    assert "_lvp_v" in plan_matmul(dev, M=1, N=64, K=lim // 64 + 1).name
 
 
 def test_without_int64_loads_are_vec4(dev, monkeypatch):
@@ -115,7 +140,7 @@ def test_without_int64_loads_are_vec4(dev, monkeypatch):
     import vkdsl.handwritten as hw
     monkeypatch.setattr(hw, "has_int64", lambda d: False)
     for form in FORMS:
-        got, ref, mag, p = run(dev, 16, 24, 40, *form, variant="lvp", seed=3)
+        got, ref, mag, p = run(dev, 16, 24, 40, *form, variant="lvp-storage", seed=3)
         assert "_v4" in p.name
         assert_close(got, ref, mag, 40, p.name)
 

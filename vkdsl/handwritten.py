@@ -93,13 +93,15 @@ def grid_for(dev, items: int, local: int = 64) -> tuple:
 
 
 def build_kernel(dev, source: str, name: str, defines: dict, n_buffers: int, push: PushLayout | int,
-                 local, coopmat: bool = False) -> object:
+                 local, coopmat: bool = False, texels: dict | None = None) -> object:
     """A hand-written kernel variant (a .comp file + defines), compiled and built once per device
-    (coopmat: it needs a compiler with GL_KHR_cooperative_matrix)."""
+    (coopmat: it needs a compiler with GL_KHR_cooperative_matrix; texels: binding -> format of the
+    bindings read as uniform texel buffers)."""
     push_size = push if isinstance(push, int) else push.size
-    key = ("variant", source, name, tuple(sorted(defines.items())), tuple(local), push_size, n_buffers)
+    texels = tuple(sorted((texels or {}).items()))
+    key = ("variant", source, name, tuple(sorted(defines.items())), tuple(local), push_size, n_buffers, texels)
     if key not in dev.kernels:         # the device's own pipeline table: a closed device takes them along
         spirv = compile_glsl(name, kernel_source(source), defines, coopmat=coopmat)
         dev.kernels[key] = get_kernel(dev, name, spirv, n_buffers=n_buffers, push_size=push_size,
-                                      local_size=tuple(local))
+                                      local_size=tuple(local), texels=texels)
     return dev.kernels[key]

@@ -112,8 +112,9 @@ def fp16_variants(dev) -> list[str]:
 
 
 def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
-                    stride_a: int, stride_b: int, stride_c: int):
-    """(kernel name, defines, local size, rows and columns per workgroup) of one variant."""
+                    stride_a: int, stride_b: int, stride_c: int, spans: tuple = (0, 0)):
+    """(kernel name, defines, local size, rows and columns per workgroup) of one variant; spans:
+    the elements A and B reach over the batch (the texel-buffer limit applies to them)."""
     form = FORMS[(bool(ta), bool(tb))]
     base = {"TA": int(ta), "TB": int(tb)}
     if variant in ("gpu", "gpu16"):
@@ -137,16 +138,36 @@ def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: in
         raise ValueError(f"unknown matmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
     # the contiguous dimension of each stored operand, and the batch strides, must be multiples of VEC
     contiguous = [M if ta else K, K if tb else N, stride_a, stride_b]
-    vec = widest(contiguous, lvp_widths(dev))
     sv = 4 if N % 4 == 0 and stride_c % 4 == 0 else 1
-    return lvp_defines(ta, tb, vec, sv)
+    if texel_fits(dev, *spans):
+        return lvp_defines(ta, tb, widest(contiguous, (4, 1)), sv, texel=True)
+    return lvp_defines(ta, tb, widest(contiguous, lvp_widths(dev)), sv)
 
 
-def lvp_defines(ta: bool, tb: bool, vec: int, sv: int):
+def texel_fits(dev, *elements: int) -> bool:
+    """Whether operands of these many floats can be read as texel buffers on this device: CPU
+    drivers only (on lavapipe a texel fetch is a gather, a storage load a loop over lanes; GPUs
+    load storage buffers at full speed), within maxTexelBufferElements (counted in floats, the
+    r32f fallback's unit)."""
+    lim = dev.limits.max_texel_elements
+    return dev.info.kind == "cpu" and lim > 0 and max(elements) <= lim
+
+
+def lvp_defines(ta: bool, tb: bool, vec: int, sv: int, texel: bool = False):
     t = LVP_TILE
     d = {"TA": int(ta), "TB": int(tb), "VEC": vec, "SV": sv, "TM": t["TM"], "TN": t["TN"]}
+    if texel:
+        d["TEXEL"] = 1
     lx, ly, _ = t["LOCAL"]
-    return f"matmul_{FORMS[(bool(ta), bool(tb))]}_lvp_v{vec}s{sv}", d, t["LOCAL"], ly * t["TM"], lx * t["TN"]
+    name = f"matmul_{FORMS[(bool(ta), bool(tb))]}_lvp_{'t' if texel else 'v'}{vec}s{sv}"
+    return name, d, t["LOCAL"], ly * t["TM"], lx * t["TN"]
+
+
+def texel_bindings(defines: dict, *bindings: int) -> dict:
+    """binding -> texel format for a TEXEL variant's operands (none for the others)."""
+    if not defines.get("TEXEL"):
+        return {}
+    return {b: "rgba32f" if defines["VEC"] == 4 else "r32f" for b in bindings}
 
 
 def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False, tb: bool = False,
@@ -162,18 +183,20 @@ def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False
     sb = K * N if batch_stride_b is None else int(batch_stride_b)
     sc = M * N
     variant = precision_variant(dev, precision, variant)
-    name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc)
+    last = max(batch - 1, 0)
+    spans = (last * sa + M * K, last * sb + K * N)
+    name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc, spans)
     push = PUSH.pack(M, N, K, sa, sb, sc)
     groups = (-(-N // bn), -(-M // bm), batch)
     if min(M, N, batch) == 0:
         groups = (0, 0, 0)      # nothing to write; the runtime skips empty dispatches
     if max(groups) > 0 and any(g > lim for g, lim in zip(groups, dev.limits.max_workgroup_count)):
         raise ValueError(f"matmul {M}x{N}x{K} batch {batch}: {groups} workgroups exceed the device limit")
-    last = max(batch - 1, 0)
-    kernel = build_kernel(dev, "matmul.comp", name, defines, 3, PUSH, local, coopmat=variant == "coop")
+    kernel = build_kernel(dev, "matmul.comp", name, defines, 3, PUSH, local, coopmat=variant == "coop",
+                          texels=texel_bindings(defines, 1, 2))
     return MatmulPlan(name=name, kernel=kernel, groups=groups, push=push,
                       M=M, N=N, K=K, batch=batch, ta=bool(ta), tb=bool(tb),
-                      bytes_a=4 * (last * sa + M * K), bytes_b=4 * (last * sb + K * N),
+                      bytes_a=4 * spans[0], bytes_b=4 * spans[1],
                       bytes_c=4 * (last * sc + M * N))
 
 
@@ -191,6 +214,7 @@ def builtin_variants(dev) -> list[str]:
     names = []
     for ta, tb in FORMS:
         variants = [lvp_defines(ta, tb, vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
+        variants += [lvp_defines(ta, tb, vec, sv, texel=True) for vec in (4, 1) for sv in (4, 1)]
         variants.append(variant_defines(dev, "gpu", ta, tb, 1, 1, 1, 0, 0, 0))
         variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in fp16_variants(dev)]
         for name, d, _, _, _ in variants:

@@ -13,6 +13,20 @@
 #ifndef VEC
 #define VEC 1
 #endif
+#ifdef TEXEL
+// TEXEL: A and B (bindings 1 and 2) are uniform texel buffers (rgba32f when VEC == 4, r32f when
+// VEC == 1), read with texelFetch: on lavapipe a vector gather, where a storage-buffer load is a
+// loop over the lanes. Nothing else changes: CHUNK i of a texel buffer is chunk i of the buffer.
+#if VEC == 4
+#define CHUNK vec4
+#define TEXEL_AT(t, i) texelFetch(t, int(i))
+#elif VEC == 1
+#define CHUNK float
+#define TEXEL_AT(t, i) texelFetch(t, int(i)).x
+#else
+#error TEXEL loads are VEC 4 or 1
+#endif
+#endif
 #if VEC == 8
 #extension GL_ARB_gpu_shader_int64 : require
 #define CHUNK u64vec4
@@ -24,10 +38,14 @@ void unpack_chunk(CHUNK t, out float v[VEC]) {
     }
 }
 #elif VEC == 4
+#ifndef TEXEL
 #define CHUNK vec4
+#endif
 void unpack_chunk(CHUNK t, out float v[VEC]) { v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; }
 #else
+#ifndef TEXEL
 #define CHUNK float
+#endif
 void unpack_chunk(CHUNK t, out float v[VEC]) { v[0] = t; }
 #endif
 

@@ -33,7 +33,7 @@ void main() {
         for (int i = 0; i < TM; i++) {
             const uint base = a0 + min(row0 + i, M - 1) * K;
             for (int c = 0; c < KB / VEC; c++) {
-                unpack_chunk(a_data[(base + min(k0 + c * VEC, K - VEC)) / VEC], t);
+                unpack_chunk(A_AT((base + min(k0 + c * VEC, K - VEC)) / VEC), t);
                 for (int v = 0; v < VEC; v++) a[i][c * VEC + v] = t[v];
             }
         }
@@ -42,7 +42,7 @@ void main() {
         for (int kk = 0; kk < KB; kk++) {
             const uint base = a0 + min(k0 + kk, K - 1) * M;
             for (int c = 0; c < TM / VEC; c++) {
-                unpack_chunk(a_data[(base + min(row0 + c * VEC, M - VEC)) / VEC], t);
+                unpack_chunk(A_AT((base + min(row0 + c * VEC, M - VEC)) / VEC), t);
                 for (int v = 0; v < VEC; v++) a[c * VEC + v][kk] = t[v];
             }
         }
@@ -52,7 +52,7 @@ void main() {
         for (int kk = 0; kk < KB; kk++) {
             const uint base = b0 + min(k0 + kk, K - 1) * N;
             for (int c = 0; c < TN / VEC; c++) {
-                unpack_chunk(b_data[(base + min(col0 + c * VEC, N - VEC)) / VEC], t);
+                unpack_chunk(B_AT((base + min(col0 + c * VEC, N - VEC)) / VEC), t);
                 for (int v = 0; v < VEC; v++) b[kk][(c * VEC + v) / 4][(c * VEC + v) % 4] = t[v];
             }
         }
@@ -62,7 +62,7 @@ void main() {
             for (int jj = 0; jj < 4; jj++) {
                 const uint base = b0 + min(col0 + 4 * j4 + jj, N - 1) * K;
                 for (int c = 0; c < KB / VEC; c++) {
-                    unpack_chunk(b_data[(base + min(k0 + c * VEC, K - VEC)) / VEC], t);
+                    unpack_chunk(B_AT((base + min(k0 + c * VEC, K - VEC)) / VEC), t);
                     for (int v = 0; v < VEC; v++) b[c * VEC + v][j4][jj] = t[v];
                 }
             }

@@ -20,6 +20,7 @@
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
 layout(std430, binding = 1) readonly buffer ABuf { CHUNK a_data[]; };
+#define A_AT(i) a_data[i]
 
 #define QB0 2
 #include "quant_formats.glsl"

@@ -32,7 +32,7 @@ void main() {
             for (int i = 0; i < TM; i++) {
                 const uint base = a0 + min(row0 + i, M - 1) * K + 32u * r + KB * s;
                 for (int c = 0; c < KB / VEC; c++) {
-                    unpack_chunk(a_data[(base + c * VEC) / VEC], t);
+                    unpack_chunk(A_AT((base + c * VEC) / VEC), t);
                     for (int v = 0; v < VEC; v++) a[i][c * VEC + v] = t[v];
                 }
             }
@@ -57,7 +57,7 @@ void main() {
         for (int i = 0; i < TM; i++) {
             const uint base = a0 + min(row0 + i, M - 1) * K;
             for (int c = 0; c < KB / VEC; c++) {
-                unpack_chunk(a_data[(base + min(k0 + c * VEC, K - VEC)) / VEC], t);
+                unpack_chunk(A_AT((base + min(k0 + c * VEC, K - VEC)) / VEC), t);
                 for (int v = 0; v < VEC; v++) a[i][c * VEC + v] = t[v];
             }
         }

@@ -17,8 +17,9 @@ class Recording:
         h = device.handle
         n_sets = max(n_sets, 1)
         self.pool = vkcall(vk.vkCreateDescriptorPool, h, vk.VkDescriptorPoolCreateInfo(
-            maxSets=n_sets, poolSizeCount=1, pPoolSizes=[vk.VkDescriptorPoolSize(
-                type=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, descriptorCount=n_sets * 8)]), None)
+            maxSets=n_sets, poolSizeCount=2, pPoolSizes=[
+                vk.VkDescriptorPoolSize(type=t, descriptorCount=n_sets * 8) for t in (
+                    vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, vk.VK_DESCRIPTOR_TYPE_UNIFORM_TEXEL_BUFFER)]), None)
         self._pool_capacity = n_sets
         self.cmd = vkcall(vk.vkAllocateCommandBuffers, h, vk.VkCommandBufferAllocateInfo(
             commandPool=device.command_pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
@@ -67,10 +68,15 @@ class Recording:
         h = self.device.handle
         dset = vkcall(vk.vkAllocateDescriptorSets, h, vk.VkDescriptorSetAllocateInfo(
             descriptorPool=self.pool, descriptorSetCount=1, pSetLayouts=[kernel.set_layout]))[0]
-        infos = [vk.VkDescriptorBufferInfo(buffer=b.handle, offset=0, range=0xFFFFFFFFFFFFFFFF) for b in buffers]
-        writes_ = [vk.VkWriteDescriptorSet(dstSet=dset, dstBinding=i, descriptorCount=1,
-                                           descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
-                                           pBufferInfo=[info]) for i, info in enumerate(infos)]
+        writes_ = []
+        for i, b in enumerate(buffers):
+            if i in kernel.texels:
+                what = dict(descriptorType=vk.VK_DESCRIPTOR_TYPE_UNIFORM_TEXEL_BUFFER,
+                            pTexelBufferView=[b.texel_view(kernel.texels[i])])
+            else:
+                what = dict(descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[
+                    vk.VkDescriptorBufferInfo(buffer=b.handle, offset=0, range=0xFFFFFFFFFFFFFFFF)])
+            writes_.append(vk.VkWriteDescriptorSet(dstSet=dset, dstBinding=i, descriptorCount=1, **what))
         vk.vkUpdateDescriptorSets(h, len(writes_), writes_, 0, None)
         vk.vkCmdBindPipeline(self.cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, kernel.pipeline)
         vk.vkCmdBindDescriptorSets(self.cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, kernel.layout, 0, 1, [dset], 0, None)

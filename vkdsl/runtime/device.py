@@ -33,6 +33,7 @@ class Limits:
     subgroup_arithmetic: bool = False   # subgroupAdd/Max/... in compute shaders
     cooperative_matrix: bool = False    # VK_KHR_cooperative_matrix with an fp16 x fp16 + fp32 subgroup shape
     coopmat_shapes: tuple = ()          # ((M, N, K), ...) of those shapes, as the driver lists them
+    max_texel_elements: int = 0         # uniform texel buffers (r32 / rgba32, float and uint); 0: none
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,14 @@ class DeviceInfo:
 
 def _version(v: int) -> str:
     return f"{v >> 22}.{(v >> 12) & 0x3FF}.{v & 0xFFF}"
+
+
+def _texel_formats(pd) -> bool:
+    """Whether every format of runtime.memory.TEXEL_FORMATS can back a uniform texel buffer (the
+    spec requires it; a driver that says otherwise gets storage-buffer kernels only)."""
+    from .memory import TEXEL_FORMATS
+    return all(vk.vkGetPhysicalDeviceFormatProperties(pd, f).bufferFeatures
+               & vk.VK_FORMAT_FEATURE_UNIFORM_TEXEL_BUFFER_BIT for f, _ in TEXEL_FORMATS.values())
 
 
 def _info(index: int, pd) -> DeviceInfo:
@@ -90,7 +99,8 @@ def _info(index: int, pd) -> DeviceInfo:
         int8=bool(f16.shaderInt8), int64=bool(vk.vkGetPhysicalDeviceFeatures(pd).shaderInt64),
         subgroup_arithmetic=bool(sub.supportedOperations & vk.VK_SUBGROUP_FEATURE_ARITHMETIC_BIT
                                  and sub.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
-        cooperative_matrix=bool(coop), coopmat_shapes=coop)
+        cooperative_matrix=bool(coop), coopmat_shapes=coop,
+        max_texel_elements=L.maxTexelBufferElements if _texel_formats(pd) else 0)
     return DeviceInfo(index=index, name=props.deviceName, kind=_TYPE_NAMES.get(props.deviceType, "other"),
                       driver=vk.ffi.string(drv.driverName).decode(errors="replace"),
                       driver_info=vk.ffi.string(drv.driverInfo).decode(errors="replace"),

@@ -1,4 +1,5 @@
-"""A compute pipeline built from SPIR-V: N storage-buffer bindings and an optional push-constant block."""
+"""A compute pipeline built from SPIR-V: N buffer bindings (storage buffers, or uniform texel
+buffers where `texels` names a binding's format) and an optional push-constant block."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +11,7 @@ from .errors import vkcall
 
 class Kernel:
     def __init__(self, device, name: str, spirv: bytes, n_buffers: int, push_size: int = 0,
-                 local_size: tuple[int, int, int] = (64, 1, 1)):
+                 local_size: tuple[int, int, int] = (64, 1, 1), texels: tuple = ()):
         if push_size > device.limits.max_push_constants:
             raise ValueError(f"kernel {name}: {push_size} bytes of push constants exceed the device "
                              f"limit of {device.limits.max_push_constants}")
@@ -20,11 +21,11 @@ class Kernel:
             raise ValueError(f"kernel {name}: workgroup {local_size} exceeds the device limits "
                              f"{device.limits.max_workgroup_size} / {device.limits.max_workgroup_invocations}")
         self.device, self.name, self.n_buffers, self.push_size = device, name, n_buffers, push_size
-        self.local_size = local_size
+        self.local_size, self.texels = local_size, dict(texels)     # binding -> texel format
         h = device.handle
         self.module = vkcall(vk.vkCreateShaderModule, h, vk.VkShaderModuleCreateInfo(
             codeSize=len(spirv), pCode=spirv), None, detail=f"kernel {name}")
-        bindings = [vk.VkDescriptorSetLayoutBinding(binding=i, descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER,
+        bindings = [vk.VkDescriptorSetLayoutBinding(binding=i, descriptorType=descriptor_type(self, i),
                                                     descriptorCount=1, stageFlags=vk.VK_SHADER_STAGE_COMPUTE_BIT)
                     for i in range(n_buffers)]
         self.set_layout = vkcall(vk.vkCreateDescriptorSetLayout, h, vk.VkDescriptorSetLayoutCreateInfo(
@@ -49,10 +50,16 @@ class Kernel:
         return f"Kernel({self.name}, {self.n_buffers} buffers, {self.push_size} B push)"
 
 
+def descriptor_type(kernel, binding: int):
+    return (vk.VK_DESCRIPTOR_TYPE_UNIFORM_TEXEL_BUFFER if binding in kernel.texels
+            else vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER)
+
+
 def get_kernel(device, name: str, spirv: bytes, n_buffers: int, push_size: int = 0,
-               local_size=(64, 1, 1)) -> Kernel:
+               local_size=(64, 1, 1), texels: tuple = ()) -> Kernel:
     """Pipelines are expensive on CPU drivers (LLVM compiles each): build each one once."""
-    k = (hashlib.sha256(spirv).digest(), n_buffers, push_size, tuple(local_size))
+    texels = tuple(sorted(dict(texels).items()))
+    k = (hashlib.sha256(spirv).digest(), n_buffers, push_size, tuple(local_size), texels)
     if k not in device.kernels:
-        device.kernels[k] = Kernel(device, name, spirv, n_buffers, push_size, tuple(local_size))
+        device.kernels[k] = Kernel(device, name, spirv, n_buffers, push_size, tuple(local_size), texels)
     return device.kernels[k]

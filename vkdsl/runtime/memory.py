@@ -10,8 +10,13 @@ import vulkan as vk
 from .commands import Recording
 from .errors import VulkanError, vkcall
 
-_USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT |
-          vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+_USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_UNIFORM_TEXEL_BUFFER_BIT |
+          vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
+# Read-only views a kernel may bind instead of a storage buffer (GLSL samplerBuffer / usamplerBuffer):
+# name -> (VkFormat, bytes per texel). On lavapipe a texelFetch is a vector gather while a storage
+# buffer load is a branchy loop over the SIMD lanes, ~18x slower per vec4 (BENCHMARKS.md).
+TEXEL_FORMATS = {"r32f": (vk.VK_FORMAT_R32_SFLOAT, 4), "rgba32f": (vk.VK_FORMAT_R32G32B32A32_SFLOAT, 16),
+                 "r32ui": (vk.VK_FORMAT_R32_UINT, 4), "rgba32ui": (vk.VK_FORMAT_R32G32B32A32_UINT, 16)}
 HOST = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
 LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
 
@@ -26,7 +31,9 @@ def _memory_type(device, type_bits: int, want: int, prefer: int = 0) -> int:
     return max(ok, key=lambda i: (mp.memoryTypes[i].propertyFlags & prefer) == prefer)
 
 
-def _release(dev_handle, buf, mem, device, nbytes):
+def _release(dev_handle, buf, mem, device, nbytes, views):
+    for v in views.values():
+        vk.vkDestroyBufferView(dev_handle, v, None)
     vk.vkDestroyBuffer(dev_handle, buf, None)
     vk.vkFreeMemory(dev_handle, mem, None)
     device.allocated_bytes -= nbytes
@@ -58,7 +65,19 @@ class Buffer:
         device.allocated_bytes += req.size
         device.peak_bytes = max(device.peak_bytes, device.allocated_bytes)
         self._mapped = vkcall(vk.vkMapMemory, h, self.memory, 0, size, 0) if self.host else None
-        self._finalizer = weakref.finalize(self, _release, h, self.handle, self.memory, device, req.size)
+        self._size, self._views = size, {}
+        self._finalizer = weakref.finalize(self, _release, h, self.handle, self.memory, device, req.size,
+                                           self._views)
+
+    def texel_view(self, fmt: str):
+        """A uniform-texel-buffer view of the whole buffer (as many texels as fit), made once."""
+        if fmt not in self._views:
+            vkfmt, size = TEXEL_FORMATS[fmt]
+            texels = min(self._size // size, self.device.limits.max_texel_elements)
+            self._views[fmt] = vkcall(vk.vkCreateBufferView, self.device.handle, vk.VkBufferViewCreateInfo(
+                buffer=self.handle, format=vkfmt, offset=0, range=texels * size), None,
+                detail=f"a {fmt} view of {self.label or 'a buffer'}")
+        return self._views[fmt]
 
     def view(self, dtype=np.uint8, count: int | None = None) -> np.ndarray:
         """Zero-copy numpy view of a host-mapped buffer."""

@@ -29,9 +29,11 @@ class Profile:
 
 PROFILES = {p.name: p for p in (
     Profile("minimal", "Vulkan 1.1 core only: no fp16, 16-bit storage, int8, int64 or subgroup arithmetic; "
-            "128 invocations, 16 KiB shared memory, 128 MiB per binding, subgroup 4", None,
+            "128 invocations, 16 KiB shared memory, 128 MiB per binding, 65,536 texels per texel buffer, "
+            "subgroup 4", None,
             dict(max_workgroup_invocations=128, max_workgroup_size=(128, 128, 64), max_shared_memory=16 * KiB,
-                 max_storage_buffer_range=128 * MiB, subgroup_size=4, max_push_constants=128), ()),
+                 max_storage_buffer_range=128 * MiB, subgroup_size=4, max_push_constants=128,
+                 max_texel_elements=65536), ()),
     Profile("mobile-mali", "a Mali-like mobile GPU: subgroup 16, 32 KiB shared memory, 256 invocations, fp16",
             "gpu", dict(max_workgroup_invocations=256, max_workgroup_size=(256, 256, 64), max_shared_memory=32 * KiB,
                         max_storage_buffer_range=GiB, subgroup_size=16, max_push_constants=128),
