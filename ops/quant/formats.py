@@ -48,6 +48,12 @@ class Format:
     arrays: tuple                # device arrays, binding order
     gguf: str | None = None      # GGMLQuantizationType name
 
+    @property
+    def words(self) -> tuple:
+        """32-bit words each array's shader reads at a time (Q_ARRAY_U1/U2/U4 in quant_common.glsl):
+        4 for the codes, 2 for nf4's (scale, offset) pairs, 1 for the other scales."""
+        return tuple(4 if a in _UVEC4_ARRAYS else 2 if a == "group" else 1 for a in self.arrays)
+
 
 FORMATS = {
     "q4_0": Format("q4_0", 32, {"FMT_Q4_0": 1}, ("d", "qs"), "Q4_0"),
@@ -61,6 +67,7 @@ FORMATS = {
     "q5_k": Format("q5_k", 256, {"FMT_Q5_K": 1}, ("dm", "sc", "qh", "qs"), "Q5_K"),
     "q6_k": Format("q6_k", 256, {"FMT_Q6_K": 1}, ("d", "sc", "ql", "qh"), "Q6_K"),
 }
+_UVEC4_ARRAYS = ("qs", "qh", "ql", "w")
 # GGUF block formats: (weights per block, bytes per block)
 _GGUF_BLOCK = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "f16": (32, 64),
                "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}

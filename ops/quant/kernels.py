@@ -12,7 +12,7 @@ from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, gpu_config, grid_for,
                                lvp_widths, widest)
 from vkdsl.matmul import PUSH as MATMUL_PUSH
-from vkdsl.matmul import coop_config, fp16_variants, precision_variant
+from vkdsl.matmul import coop_config, fp16_variants, precision_variant, texel_fits
 
 from .formats import FORMATS, NF4_GROUP, Format, array_nbytes, check_shape, get_format
 
@@ -43,7 +43,7 @@ class QuantPlan:
         return 2 if self.kernel2 is not None else 1
 
 
-def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int):
+def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, texel: bool = False):
     """(kernel name, defines, local size, rows and columns per workgroup) of a qmatmul variant."""
     tb = int(form == "nt")
     if variant in ("gpu", "gpu16"):
@@ -63,8 +63,22 @@ def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int):
         raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
     t = LVP_TILE
     d = dict(f.defines, TB=tb, VEC=vec, SV=sv, TM=t["TM"], TN=t["TN"])
+    if texel:
+        d.update(TEXEL=1, QTEXEL=1)
     lx, ly, _ = t["LOCAL"]
-    return f"qmatmul_{form}_{f.name}_lvp_v{vec}s{sv}", d, t["LOCAL"], ly * t["TM"], lx * t["TN"]
+    name = f"qmatmul_{form}_{f.name}_lvp_{'t' if texel else 'v'}{vec}s{sv}"
+    return name, d, t["LOCAL"], ly * t["TM"], lx * t["TN"]
+
+
+WORD_FORMATS = {1: "r32ui", 2: "rg32ui", 4: "rgba32ui"}
+
+
+def qtexel_bindings(f: Format, defines: dict) -> dict:
+    """binding -> texel format of a TEXEL qmatmul: X (1), then the weight's arrays (2...)."""
+    if not defines.get("TEXEL"):
+        return {}
+    return {1: "rgba32f" if defines["VEC"] == 4 else "r32f",
+            **{2 + i: WORD_FORMATS[w] for i, w in enumerate(f.words)}}
 
 
 def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: int = 1,
@@ -89,12 +103,14 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
                               MATMUL_PUSH, (MV_LOCAL, 1, 1))
         return QuantPlan(name=name, kernel=kernel, groups=grid_for(dev, -(-N // 4), MV_LOCAL), push=MATMUL_PUSH.pack(M, N, K, 0, 0, 0),
                          fmt=f.name, N=N, K=K, bytes_x=4 * M * K, bytes_c=4 * M * N, flops=2 * M * N * K)
-    vec = widest([red, sx], lvp_widths(dev))
-    name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1)
-    kernel = build_kernel(dev, "qmatmul.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, local,
-                          coopmat=variant == "coop")
-    groups = (-(-cols // bn), -(-rows // bm), batch) if min(rows, batch) > 0 else (0, 0, 0)
     last = max(batch - 1, 0)
+    words = [n // (4 * w) for n, w in zip(array_nbytes(f.name, N, K), f.words)]
+    texel = variant == "lvp" and texel_fits(dev, last * sx + rows * red, *words)
+    vec = widest([red, sx], (4, 1) if texel else lvp_widths(dev))
+    name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1, texel)
+    kernel = build_kernel(dev, "qmatmul.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, local,
+                          coopmat=variant == "coop", texels=qtexel_bindings(f, defines))
+    groups = (-(-cols // bn), -(-rows // bm), batch) if min(rows, batch) > 0 else (0, 0, 0)
     return QuantPlan(name=name, kernel=kernel, groups=groups, push=MATMUL_PUSH.pack(rows, cols, red, sx, 0, sc),
                      fmt=f.name, N=N, K=K, bytes_x=4 * (last * sx + rows * red), bytes_c=4 * (last * sc + rows * cols),
                      flops=2 * rows * cols * red * batch)
@@ -179,6 +195,7 @@ def builtin_variants(dev) -> list[str]:
         for form in ("nt", "nn"):
             variants = [qmatmul_variant(dev, f, form, v, 1, 1) for v in ["gpu"] + fp16_variants(dev)]
             variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
+            variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv, True) for vec in (4, 1) for sv in (4, 1)]
             jobs += [("qmatmul.comp", name, d) for name, d, _, _, _ in variants]
         jobs.append(("quant_dequant.comp", f"dequant_{f.name}", f.defines))
     jobs += [("quant_pack_int4.comp", "quantize_int4", {"INT4_F16": 0}),

@@ -6,7 +6,8 @@
 // Bindings: 0 = C, 1 = X (fp32, VEC-wide loads), 2.. = the format's arrays.
 // Defines: FMT_Q4_0 | FMT_Q4_1 | FMT_Q8_0 | FMT_INT4 (+ INT4_F16) | FMT_NF4, TB, VEC, SV, and
 // VARIANT_GPU (shared-memory tiles of matmul_gpu.glsl; F16_TILES: fp16 inputs, fp32 sums),
-// VARIANT_COOP (cooperative matrices, matmul_coop.glsl) or the register-blocked TM x TN kernel.
+// VARIANT_COOP (cooperative matrices, matmul_coop.glsl) or the register-blocked TM x TN kernel
+// (with TEXEL and QTEXEL: X and the weight read as uniform texel buffers).
 #extension GL_EXT_control_flow_attributes : require
 #if defined(F16_TILES) || defined(VARIANT_COOP)
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
@@ -19,8 +20,13 @@
 #include "matmul_common.glsl"
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 
+#ifdef TEXEL
+layout(binding = 1) uniform samplerBuffer a_tex;    // with QTEXEL, the weight's arrays too
+#define A_AT(i) TEXEL_AT(a_tex, i)
+#else
 layout(std430, binding = 1) readonly buffer ABuf { CHUNK a_data[]; };
 #define A_AT(i) a_data[i]
+#endif
 
 #define QB0 2
 #include "quant_formats.glsl"

@@ -9,6 +9,24 @@
 #ifndef QB0
 #define QB0 2
 #endif
+// Each array is declared with Q_ARRAY_U1 / U2 / U4 (32-bit words read one, two or four at a time)
+// and read with Q_U1 / U2 / U4 (uint, uvec2, uvec4): storage buffers, or with QTEXEL uniform texel
+// buffers (r32ui / rg32ui / rgba32ui), which lavapipe reads with vector gathers (matmul_common.glsl).
+#ifdef QTEXEL
+#define Q_ARRAY_U1(b, blk, name) layout(binding = b) uniform usamplerBuffer name;
+#define Q_ARRAY_U2(b, blk, name) layout(binding = b) uniform usamplerBuffer name;
+#define Q_ARRAY_U4(b, blk, name) layout(binding = b) uniform usamplerBuffer name;
+#define Q_U1(name, i) texelFetch(name, int(i)).x
+#define Q_U2(name, i) texelFetch(name, int(i)).xy
+#define Q_U4(name, i) texelFetch(name, int(i))
+#else
+#define Q_ARRAY_U1(b, blk, name) layout(std430, binding = b) readonly buffer blk { uint name[]; };
+#define Q_ARRAY_U2(b, blk, name) layout(std430, binding = b) readonly buffer blk { uvec2 name[]; };
+#define Q_ARRAY_U4(b, blk, name) layout(std430, binding = b) readonly buffer blk { uvec4 name[]; };
+#define Q_U1(name, i) name[i]
+#define Q_U2(name, i) name[i]
+#define Q_U4(name, i) name[i]
+#endif
 
 uint nibble(uvec4 qs, const int e) {
     const int j = e % 16;

@@ -2,15 +2,15 @@
 // Array: w (two f16 per uint, row-major); a 32-element range is 16 words = 4 uvec4. unpackHalf2x16
 // is core GLSL, so this needs no 16-bit storage feature: every Vulkan device can hold weights at
 // half the bytes of fp32.
-layout(std430, binding = QB0) readonly buffer F16W { uvec4 q_w[]; };
+Q_ARRAY_U4(QB0, F16W, q_w)
 struct Q32 { uvec4 a, b, c, d; };
 
 void q32_load(uint n, uint r, uint kw, out Q32 q) {
     const uint b = 4u * (n * (kw / 32u) + r);
-    q.a = q_w[b];
-    q.b = q_w[b + 1u];
-    q.c = q_w[b + 2u];
-    q.d = q_w[b + 3u];
+    q.a = Q_U4(q_w, b);
+    q.b = Q_U4(q_w, b + 1u);
+    q.c = Q_U4(q_w, b + 2u);
+    q.d = Q_U4(q_w, b + 3u);
 }
 
 float q32_get(Q32 q, const int e) {

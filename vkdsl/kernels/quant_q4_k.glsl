@@ -5,13 +5,13 @@
 // from bits 6-7 of byte j-4 (sc) or byte j (m)), [Q5_K: qh (32 bytes: bit j of byte e is bit 4 of
 // element e of range j)], qs (128 bytes: range j's 32 nibbles are the low (j even) or high (j odd)
 // halves of bytes 32 (j / 2) ... 32 (j / 2) + 31).
-layout(std430, binding = QB0) readonly buffer QKD { uint q_dm[]; };
-layout(std430, binding = QB0 + 1) readonly buffer QKS { uint q_sc[]; };
+Q_ARRAY_U1(QB0, QKD, q_dm)
+Q_ARRAY_U1(QB0 + 1, QKS, q_sc)
 #ifdef FMT_Q5_K
-layout(std430, binding = QB0 + 2) readonly buffer QKH { uvec4 q_qh[]; };
-layout(std430, binding = QB0 + 3) readonly buffer QKQ { uvec4 q_qs[]; };
+Q_ARRAY_U4(QB0 + 2, QKH, q_qh)
+Q_ARRAY_U4(QB0 + 3, QKQ, q_qs)
 #else
-layout(std430, binding = QB0 + 2) readonly buffer QKQ { uvec4 q_qs[]; };
+Q_ARRAY_U4(QB0 + 2, QKQ, q_qs)
 #endif
 struct Q32 {
     uvec4 lo, hi;
@@ -22,7 +22,7 @@ struct Q32 {
     float scale, offset;
 };
 
-uint sc_byte(uint sb, uint k) { return (q_sc[3u * sb + k / 4u] >> (8u * (k % 4u))) & 0xFFu; }
+uint sc_byte(uint sb, uint k) { return (Q_U1(q_sc, 3u * sb + k / 4u) >> (8u * (k % 4u))) & 0xFFu; }
 
 void q32_load(uint n, uint r, uint kw, out Q32 q) {
     const uint b = n * (kw / 32u) + r, sb = b / 8u, j = b % 8u;
@@ -34,17 +34,17 @@ void q32_load(uint n, uint r, uint kw, out Q32 q) {
         sc = (sc_byte(sb, j + 4u) & 15u) | ((sc_byte(sb, j - 4u) >> 6) << 4);
         m = (sc_byte(sb, j + 4u) >> 4) | ((sc_byte(sb, j) >> 6) << 4);
     }
-    const vec2 dm = unpackHalf2x16(q_dm[sb]);
+    const vec2 dm = unpackHalf2x16(Q_U1(q_dm, sb));
     q.scale = dm.x * float(sc);
     q.offset = dm.y * float(m);
     const uint c = 8u * sb + 2u * (j / 2u);      // the 32 code bytes: two uvec4
-    q.lo = q_qs[c];
-    q.hi = q_qs[c + 1u];
+    q.lo = Q_U4(q_qs, c);
+    q.hi = Q_U4(q_qs, c + 1u);
     q.shift = 4u * (j % 2u);
     q.bit = j;
 #ifdef FMT_Q5_K
-    q.hlo = q_qh[2u * sb];
-    q.hhi = q_qh[2u * sb + 1u];
+    q.hlo = Q_U4(q_qh, 2u * sb);
+    q.hhi = Q_U4(q_qh, 2u * sb + 1u);
 #endif
 }
 

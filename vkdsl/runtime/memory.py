@@ -16,7 +16,8 @@ _USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_UNIFORM_TEX
 # name -> (VkFormat, bytes per texel). On lavapipe a texelFetch is a vector gather while a storage
 # buffer load is a branchy loop over the SIMD lanes, ~18x slower per vec4 (BENCHMARKS.md).
 TEXEL_FORMATS = {"r32f": (vk.VK_FORMAT_R32_SFLOAT, 4), "rgba32f": (vk.VK_FORMAT_R32G32B32A32_SFLOAT, 16),
-                 "r32ui": (vk.VK_FORMAT_R32_UINT, 4), "rgba32ui": (vk.VK_FORMAT_R32G32B32A32_UINT, 16)}
+                 "r32ui": (vk.VK_FORMAT_R32_UINT, 4), "rg32ui": (vk.VK_FORMAT_R32G32_UINT, 8),
+                 "rgba32ui": (vk.VK_FORMAT_R32G32B32A32_UINT, 16)}
 HOST = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
 LOCAL = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT
 
