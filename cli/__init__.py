@@ -9,6 +9,7 @@ from . import doctor as _doctor
 from . import models as _models
 from . import probe as _probe
 from . import train as _train
+from . import tune as _tune
 from . import verify as _verify
 from .common import Commands
 
@@ -24,6 +25,7 @@ main.add_command(_doctor.doctor)
 for _cmd in (_verify.verify, _verify.golden, _verify.compile_, _verify.demo):
     main.add_command(_cmd)
 main.add_command(_bench.bench)
+main.add_command(_tune.tune)
 for _name in _models.COMMANDS:
     main.add_command(getattr(_models, _name))
 main.add_command(_train.train)

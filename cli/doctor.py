@@ -44,6 +44,9 @@ def _choices(dev) -> list[tuple]:
         detail = (f"{c['BM']}x{c['BN']} block, {c['TM']}x{c['TN']} per thread, {c['LOCAL'][0] * c['LOCAL'][1]} threads: "
                   f"the largest tile within {dev.limits.max_workgroup_invocations} invocations and "
                   f"{dev.limits.max_shared_memory // 1024} KiB shared memory")
+    elif "_lvp_t" in mm.name:
+        detail = ("4-float texel-buffer loads (a vector gather on CPU drivers, where a storage load "
+                  "is a loop over lanes), 16x32 per invocation")
     else:
         detail = ("8-float loads (int64 present)" if has_int64(dev) else
                   "4-float loads (no int64)") + ", 16x32 per invocation"
@@ -60,7 +63,40 @@ def _choices(dev) -> list[tuple]:
     rows.append(("kernels", "Q8_0 matvec (decode)", qv.name, "one row: a matrix-vector kernel when the family has one"))
     rows.append(("kernels", "generated", "fused elementwise / reductions, 64 invocations",
                  "shapes baked in; compiled on first use, then cached or bundled"))
+    rows.append(("kernels", "shipped SPIR-V", *_shipped()))
+    rows.append(("kernels", "tuning", *_tuning(dev)))
     return rows
+
+
+def _shipped() -> tuple[str, str]:
+    """How many compiled kernels came with the package, and for what."""
+    import os
+    from vkdsl.compiler import SHIPPED, bundle
+    if os.environ.get("VKDSL_SPIRV_SHIPPED") == "0":
+        return "off", "VKDSL_SPIRV_SHIPPED=0: every kernel compiles here (or comes from a bundle)"
+    try:
+        index = bundle.read_index(SHIPPED)
+    except Exception as e:                    # a broken install still gets its doctor report
+        return "unreadable", str(e)
+    built = index.get("built", {})
+    return (f"{len(index['kernels'])} kernels",
+            f"built on {built.get('device', '?')} for verify, demo and {len(built.get('jobs', []))} jobs; "
+            f"a kernel they lack compiles here")
+
+
+def _tuning(dev) -> tuple[str, str]:
+    """This device's tuning file: how many shape classes it moves off the default tile."""
+    import os
+    from vkdsl import tuning
+    if os.environ.get("VKDSL_TUNING") == "0":
+        return "off", "VKDSL_TUNING=0: every kernel takes its default tile"
+    e = tuning.entries(dev)
+    if not e:
+        return "none", f"default tiles; `vkdsl tune --for \"COMMAND\"` measures a job's shapes here"
+    moved = {k: v["tile"] for k, v in e.items() if tuple(v["tile"]) != tuning.DEFAULT_TILE}
+    return (f"{len(e)} shape classes, {len(moved)} off the default",
+            "; ".join(f"{k} {t[0]}x{t[1]}" for k, t in sorted(moved.items())[:4]) + (" ..." if len(moved) > 4 else "")
+            + f" ({tuning.path(dev)})")
 
 
 def _verify_rows() -> list[tuple]:

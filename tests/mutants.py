@@ -270,6 +270,17 @@ MUTANTS = [
     Mutant("delta_rule_state_crosses_rows", "ops/gated_delta.py",
            "reach = eG if carry is None else eG * carry", "reach = eG",
            ("tests/test_gated_delta.py", "-k", "packed"), "a packed sequence reads the state its predecessor left"),
+    Mutant("shipped_spirv_never_recompiled", "vkdsl/compiler/bundle.py",
+           'elif hashlib.sha256(compile_source(entry["name"], src)).hexdigest() != entry["sha256"]:',
+           "elif False:", ("tests/test_compiler.py", "-k", "swapped"),
+           "the shipped-bundle check trusts each .spv without recompiling its source"),
+    Mutant("tuned_tile_grid_of_the_default", "vkdsl/matmul.py",
+           'return name, d, LVP_TILE["LOCAL"], ly * tm, lx * tn', 'return name, d, LVP_TILE["LOCAL"], ly * tm, lx * 32',
+           ("tests/test_tuning.py", "-k", "every_tile"), "a tuned tile's grid sized for the default tile's columns"),
+    Mutant("pipeline_cache_uuid_unchecked", "vkdsl/runtime/pipeline_cache.py",
+           "head[1:] != (1, vendor, device, uuid)", "head[1:3] != (1, vendor)",
+           ("tests/test_runtime.py", "-k", "pipeline_cache"),
+           "another driver build's pipeline cache handed to this driver"),
 ]
 
 

@@ -42,7 +42,7 @@ def job(tmp_path_factory):
 
 def _offline(tmp, bundle):
     """No compiler anywhere: none forced, none on PATH, an empty SPIR-V cache."""
-    return dict(os.environ, VKDSL_COMPILER="none", VKDSL_SPIRV_BUNDLE=str(bundle),
+    return dict(os.environ, VKDSL_COMPILER="none", VKDSL_SPIRV_BUNDLE=str(bundle), VKDSL_SPIRV_SHIPPED="0",
                 VKDSL_CACHE_DIR=str(tmp / "empty-cache"), PATH=os.path.dirname(sys.executable))
 
 

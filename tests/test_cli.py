@@ -2,6 +2,7 @@
 from a bundle on a machine with no shader compiler."""
 import json
 import os
+import re
 import sys
 
 
@@ -66,7 +67,7 @@ def test_bundle_runs_without_any_shader_compiler(tmp_path):
     bundle = tmp_path / "bundle"
     out = run(["compile", "--bundle", str(bundle)]).stdout
     assert "wrote" in out and (bundle / "index.json").is_file()
-    env = dict(os.environ, VKDSL_COMPILER="none", VKDSL_SPIRV_BUNDLE=str(bundle),
+    env = dict(os.environ, VKDSL_COMPILER="none", VKDSL_SPIRV_BUNDLE=str(bundle), VKDSL_SPIRV_SHIPPED="0",
                VKDSL_CACHE_DIR=str(tmp_path / "empty-cache"),
                PATH=os.path.dirname(sys.executable))          # no glslc / glslangValidator on PATH
     p = run(["verify", "--match", "matmul"], env=env)
@@ -77,3 +78,13 @@ def test_bundle_runs_without_any_shader_compiler(tmp_path):
     env.pop("VKDSL_SPIRV_BUNDLE")
     p = run(["demo"], env=env, check=False)
     assert p.returncode != 0 and "no shader compiler is available" in p.stderr
+
+
+def test_a_fresh_install_verifies_with_the_shipped_spirv_alone(tmp_path):
+    # no compiler, no bundle, an empty cache: the kernels verify and demo use ship with the package
+    env = dict(os.environ, VKDSL_COMPILER="none", VKDSL_CACHE_DIR=str(tmp_path / "empty-cache"),
+               PATH=os.path.dirname(sys.executable))
+    env.pop("VKDSL_SPIRV_BUNDLE", None)
+    p = run(["verify", "--match", "softmax"], env=env)
+    assert re.search(r"\b(\d+)/\1 rows passed", p.stdout) and "FAIL" not in p.stdout
+    run(["demo"], env=env)

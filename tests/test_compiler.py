@@ -1,8 +1,13 @@
 """GLSL -> SPIR-V: backends, errors with numbered source, the disk cache, bundles."""
 
+import gzip
+import json
+import shutil
+
 import pytest
 
 from vkdsl import compiler
+from vkdsl.compiler import bundle as B
 from vkdsl.compiler import cache
 from vkdsl.compiler.backends import find_backend
 from vkdsl.compiler.errors import CompileError
@@ -88,3 +93,80 @@ def test_includes_are_expanded(tmp_path):
 def test_backend_found():
     be = find_backend()
     assert be is not None and be.identity
+
+
+def test_prefetch_compiles_a_programs_kernels_at_once(fresh_cache):
+    # distinct kernels compiled on all cores: each the compiler's own bytes, then served from memory
+    srcs = [OK.replace("1.0", f"{i}.5") for i in range(6)]
+    compiler.prefetch([(f"k{i}", s, None) for i, s in enumerate(srcs)])
+    assert len(list(fresh_cache.glob("*.spv"))) == 6
+    for entry in fresh_cache.glob("*.spv"):
+        entry.unlink()
+    for i, s in enumerate(srcs):
+        assert compiler.compile_glsl(f"k{i}", s) == compiler.backend().compile(s, f"k{i}")
+    assert list(fresh_cache.glob("*.spv")) == []
+
+
+# =======================================================================================
+# the SPIR-V shipped with the package (vkdsl/spirv)
+# =======================================================================================
+
+def _from_compiler(name, src):
+    return compiler.backend().compile(src, name)
+
+
+def test_shipped_spirv_is_what_this_compiler_makes_of_its_sources():
+    # every 40th kernel (the suite's share); `pytest -m campaign` recompiles all of them
+    built = B.read_index(compiler.SHIPPED)["built"]
+    assert built.get("compiler") == compiler.backend().identity, (
+        f"vkdsl/spirv was built by {built.get('compiler')!r}, this machine compiles with "
+        f"{compiler.backend().identity!r}: rebuild it as README's 'Shipped SPIR-V' says")
+    keys = sorted(B.read_index(compiler.SHIPPED)["kernels"])[::40]
+    assert len(keys) >= 10 and B.check(compiler.SHIPPED, _from_compiler, keys) == []
+
+
+@pytest.mark.campaign
+def test_every_shipped_kernel_is_what_this_compiler_makes():
+    assert B.check(compiler.SHIPPED, _from_compiler) == []
+
+
+def test_a_swapped_shipped_kernel_is_found(tmp_path):
+    # the defect a stale or hand-edited bundle would carry: a valid .spv under another kernel's key
+    root = tmp_path / "spirv"
+    shutil.copytree(compiler.SHIPPED, root)
+    index = json.loads((root / "index.json").read_text())
+    a, b = sorted(index["kernels"])[:2]
+    ea, eb = index["kernels"][a], index["kernels"][b]
+    (root / ea["file"]).write_bytes((root / eb["file"]).read_bytes())
+    ea["sha256"] = eb["sha256"]
+    (root / "index.json").write_text(json.dumps(index))
+    assert B.check(str(root), _from_compiler, [a, b]) == [
+        f"{ea['file']}: differs from what the compiler makes of {ea['source']}"]
+
+
+def test_builtin_kernels_need_no_compiler(fresh_cache, monkeypatch):
+    # a fresh install: empty cache, no user bundle; every hand-written variant comes from vkdsl/spirv
+    from vkdsl import matmul, ops
+    from vkdsl.runtime.context import default_device
+    monkeypatch.delenv("VKDSL_SPIRV_BUNDLE", raising=False)
+    before = dict(compiler.origin)
+    for library in (matmul, ops):
+        library.builtin_variants(default_device())
+    assert compiler.origin["compiler"] == before["compiler"] and compiler.origin["cache"] == before["cache"]
+    assert compiler.origin["shipped"] > before["shipped"]
+
+
+def test_damaged_shipped_spirv_is_ignored_in_one_line(fresh_cache, tmp_path, monkeypatch, capsys):
+    root = tmp_path / "spirv"
+    shutil.copytree(compiler.SHIPPED, root)
+    monkeypatch.setattr(compiler, "SHIPPED", str(root))
+    monkeypatch.setattr(compiler, "_shipped_ok", True)
+    monkeypatch.delenv("VKDSL_SPIRV_BUNDLE", raising=False)
+    entry = next(iter(B.read_index(str(root))["kernels"].values()))
+    src = gzip.decompress((root / entry["source"]).read_bytes()).decode()
+    spv = bytearray((root / entry["file"]).read_bytes())
+    spv[40] ^= 0xFF
+    (root / entry["file"]).write_bytes(bytes(spv))
+    assert compiler.compile_glsl(entry["name"], src) == _from_compiler(entry["name"], src)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ignoring the shipped SPIR-V" in err[0] and entry["file"] in err[0]

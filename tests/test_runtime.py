@@ -105,3 +105,43 @@ def test_dispatch_checks_arguments(dev):
 def test_workgroup_limits_enforced(dev):
     with pytest.raises(ValueError, match="exceeds the device limits"):
         get_kernel(dev, "scale", compile_glsl("scale", SCALE), 1, 8, local_size=(4096, 1, 1))
+
+
+_SCALE_RUN = """
+import numpy as np
+from vkdsl.compiler import compile_glsl
+from vkdsl.runtime import Buffer, Recording, default_device, get_kernel
+import test_runtime as T
+dev = default_device()
+k = get_kernel(dev, "scale", compile_glsl("scale", T.SCALE), 1, 8)
+b = Buffer(dev, 16); b.write(np.ones(4, np.float32))
+rec = Recording(dev, 1); rec.dispatch(k, [b], (1, 1, 1), T.struct.pack("<fI", 3.0, 4)); rec.submit_wait()
+assert (b.read(np.float32, 4) == 3.0).all()
+"""
+
+
+@pytest.mark.parametrize("plant, said", [
+    (lambda head: b"\x07" * 11, True),                                   # shorter than the header
+    (lambda head: head[:8] + struct.pack("<I", 0xBEEF) + head[12:], True),  # another vendor
+    (lambda head: head[:16] + bytes(16), True),                          # another driver build's UUID
+    (lambda head: head, False),                                           # this driver's own header
+])
+def test_pipeline_cache_from_another_driver_is_rebuilt_in_one_line(tmp_path, monkeypatch, plant, said):
+    import os
+    import subprocess
+    import sys
+    from vkdsl.runtime import default_device
+    from vkdsl.runtime.pipeline_cache import HEADER, _identity, cache_path
+    monkeypatch.setenv("VKDSL_CACHE_DIR", str(tmp_path))
+    pd = default_device().info.handle
+    vendor, device, _, uuid = _identity(pd)
+    path = cache_path(pd)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "wb") as f:
+        f.write(plant(HEADER.pack(HEADER.size, 1, vendor, device, uuid)))
+    p = subprocess.run([sys.executable, "-c", _SCALE_RUN], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+    assert p.returncode == 0, p.stderr
+    lines = [l for l in p.stderr.splitlines() if "pipeline cache" in l]
+    assert lines == ([f"vkdsl: pipeline cache {path} is damaged or from another driver; rebuilding it"]
+                     if said else [])

@@ -19,7 +19,8 @@ def check_environment() -> None:
     if limit:
         parse_bytes(limit)
     choices = {"VKDSL_VALIDATION": ("", "0", "1", "sync"), "VKDSL_COMPILER": ("",) + COMPILERS,
-               "VKDSL_DEBUG": ("", "0", "1")}
+               "VKDSL_DEBUG": ("", "0", "1"), "VKDSL_SPIRV_SHIPPED": ("", "0", "1"),
+               "VKDSL_TUNING": ("", "0", "1")}
     for var, allowed in choices.items():
         v = os.environ.get(var, "")
         # VKDSL_VALIDATION is read case-blind; the others as written

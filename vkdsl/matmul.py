@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import tuning
 from .compiler import coopmat_backend, compile_glsl, kernel_source
 from .handwritten import LVP_TILE, PushLayout, build_kernel, default_variant, gpu_config, lvp_widths, widest
 from .precision import PrecisionError, check
@@ -112,9 +113,10 @@ def fp16_variants(dev) -> list[str]:
 
 
 def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
-                    stride_a: int, stride_b: int, stride_c: int, spans: tuple = (0, 0)):
+                    stride_a: int, stride_b: int, stride_c: int, spans: tuple = (0, 0), tile: tuple | None = None):
     """(kernel name, defines, local size, rows and columns per workgroup) of one variant; spans:
-    the elements A and B reach over the batch (the texel-buffer limit applies to them)."""
+    the elements A and B reach over the batch (the texel-buffer limit applies to them); tile: lvp's
+    (rows, columns) per invocation (None: this device's tuning, else the default)."""
     form = FORMS[(bool(ta), bool(tb))]
     base = {"TA": int(ta), "TB": int(tb)}
     if variant in ("gpu", "gpu16"):
@@ -139,9 +141,13 @@ def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: in
     # the contiguous dimension of each stored operand, and the batch strides, must be multiples of VEC
     contiguous = [M if ta else K, K if tb else N, stride_a, stride_b]
     sv = 4 if N % 4 == 0 and stride_c % 4 == 0 else 1
-    if texel_fits(dev, *spans):
-        return lvp_defines(ta, tb, widest(contiguous, (4, 1)), sv, texel=True)
-    return lvp_defines(ta, tb, widest(contiguous, lvp_widths(dev)), sv)
+    texel = texel_fits(dev, *spans)
+    vec = widest(contiguous, (4, 1) if texel else lvp_widths(dev))
+    if tile is None:
+        tile = tuning.tile(dev, "matmul", form, M, N, K, lambda t: lvp_tile_fits(t, ta, tb, vec))
+    elif not lvp_tile_fits(tile, ta, tb, vec):
+        raise ValueError(f"matmul {form} tile {tile} does not fit {vec}-wide loads")
+    return lvp_defines(ta, tb, vec, sv, texel=texel, tile=tile)
 
 
 def texel_fits(dev, *elements: int) -> bool:
@@ -153,14 +159,22 @@ def texel_fits(dev, *elements: int) -> bool:
     return dev.info.kind == "cpu" and lim > 0 and max(elements) <= lim
 
 
-def lvp_defines(ta: bool, tb: bool, vec: int, sv: int, texel: bool = False):
-    t = LVP_TILE
-    d = {"TA": int(ta), "TB": int(tb), "VEC": vec, "SV": sv, "TM": t["TM"], "TN": t["TN"]}
+def lvp_tile_fits(tile: tuple, ta: bool, tb: bool, vec: int) -> bool:
+    """Whether matmul_lvp.glsl takes this (rows, columns) tile: loads run VEC wide along the tile's
+    rows when A is transposed, along its columns when B is not."""
+    tm, tn = tile
+    return tn % 4 == 0 and (not ta or tm % vec == 0) and (tb or tn % vec == 0)
+
+
+def lvp_defines(ta: bool, tb: bool, vec: int, sv: int, texel: bool = False, tile: tuple = tuning.DEFAULT_TILE):
+    tm, tn = tile
+    d = {"TA": int(ta), "TB": int(tb), "VEC": vec, "SV": sv, "TM": tm, "TN": tn}
     if texel:
         d["TEXEL"] = 1
-    lx, ly, _ = t["LOCAL"]
-    name = f"matmul_{FORMS[(bool(ta), bool(tb))]}_lvp_{'t' if texel else 'v'}{vec}s{sv}"
-    return name, d, t["LOCAL"], ly * t["TM"], lx * t["TN"]
+    lx, ly, _ = LVP_TILE["LOCAL"]
+    name = (f"matmul_{FORMS[(bool(ta), bool(tb))]}_lvp_{'t' if texel else 'v'}{vec}s{sv}"
+            + (f"_{tm}x{tn}" if tuple(tile) != tuning.DEFAULT_TILE else ""))
+    return name, d, LVP_TILE["LOCAL"], ly * tm, lx * tn
 
 
 def texel_bindings(defines: dict, *bindings: int) -> dict:
@@ -172,10 +186,11 @@ def texel_bindings(defines: dict, *bindings: int) -> dict:
 
 def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False, tb: bool = False,
                 batch_stride_a: int | None = None, batch_stride_b: int | None = None,
-                variant: str | None = None, precision: str = "fp32") -> MatmulPlan:
+                variant: str | None = None, precision: str = "fp32", tile: tuple | None = None) -> MatmulPlan:
     """C[b] (M x N) = op(A[b]) . op(B[b]); op transposes when ta / tb (A stored K x M, B stored N x K).
     Batch strides are in elements; None means dense (M*K, K*N), 0 broadcasts one matrix. precision
-    fp16 picks fp16_choice(dev); a variant given must be of the precision asked for."""
+    fp16 picks fp16_choice(dev); a variant given must be of the precision asked for. tile: the lvp
+    kernel's rows x columns per invocation (None: vkdsl.tuning's choice for this device)."""
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     if min(M, N, K, batch) < 0:
         raise ValueError(f"negative matmul size M={M} N={N} K={K} batch={batch}")
@@ -185,7 +200,7 @@ def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False
     variant = precision_variant(dev, precision, variant)
     last = max(batch - 1, 0)
     spans = (last * sa + M * K, last * sb + K * N)
-    name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc, spans)
+    name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc, spans, tile)
     push = PUSH.pack(M, N, K, sa, sb, sc)
     groups = (-(-N // bn), -(-M // bm), batch)
     if min(M, N, batch) == 0:

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 
 from . import render
-from .compiler import compile_glsl
+from .compiler import compile_glsl, prefetch
 from .graph import ITEMSIZE, NP_DTYPE, reshape_base
 from .handwritten import default_variant, fold_grid
 from .matmul import plan_matmul, record_matmul
@@ -64,16 +64,31 @@ def upload(a: np.ndarray, device=None, name=None) -> Buffer:
     return buf
 
 
-def generated_kernel(dev, step):
-    """(pipeline, workgroups) of a generated step: the renderer says the geometry."""
-    # subgroup reductions on GPUs only: on lavapipe they measured slower than the shared-memory
-    # tree (SFT step 4 x 64 on SmolLM2: 10.3-12.4 s vs 9.3-9.9 s)
+def _rendered(dev, step):
     if not dev.limits.storage16 and any(t.dtype == "float16" for t in (step.node, *step.inputs)):
         raise ValueError(f"{render.kernel_name(step)}: float16 tensors need 16-bit storage "
                          f"(storageBuffer16BitAccess), which {dev.info.describe()} lacks; keep them float32")
-    r = render.render_step(step, subgroups=dev.limits.subgroup_arithmetic and default_variant(dev) == "gpu")
+    # subgroup reductions on GPUs only: on lavapipe they measured slower than the shared-memory
+    # tree (SFT step 4 x 64 on SmolLM2: 10.3-12.4 s vs 9.3-9.9 s)
+    return render.render_step(step, subgroups=dev.limits.subgroup_arithmetic and default_variant(dev) == "gpu")
+
+
+def generated_kernel(dev, step):
+    """(pipeline, workgroups) of a generated step: the renderer says the geometry."""
+    r = _rendered(dev, step)
     k = get_kernel(dev, r.name, compile_glsl(r.name, r.source), 1 + len(step.inputs), 0, r.local)
     return k, fold_grid(dev, r.n_groups)
+
+
+def compile_ahead(dev, steps):
+    """Compile a program's generated kernels on all cores before recording takes them one by one."""
+    gen = [s for s in steps if s.kind not in ("matmul", "custom")
+           and not (s.kind == "assign" and len(s.inputs) == 1 and s.inputs[0] is s.node)]
+    if len(gen) > 1:
+        try:
+            prefetch([(r.name, r.source, None) for r in (_rendered(dev, s) for s in gen)])
+        except ValueError:
+            pass                         # recording raises it again, at the step it belongs to
 
 
 def step_name(step) -> str:
@@ -201,6 +216,7 @@ class Program:
 
     def _record(self):
         dev = self.dev
+        compile_ahead(dev, self.steps)
         rec = Recording(dev, n_sets=len(self.steps) * 4 + 4, label=self.label)
         for t, st in zip(self.inputs, self.in_stage):
             if st is not None:

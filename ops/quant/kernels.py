@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vkdsl import tuning
 from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, gpu_config, grid_for,
                                lvp_widths, widest)
@@ -43,7 +44,14 @@ class QuantPlan:
         return 2 if self.kernel2 is not None else 1
 
 
-def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, texel: bool = False):
+def qtile_fits(tile: tuple, form: str) -> bool:
+    """Whether qmatmul_lvp.glsl takes this (rows, columns) tile: nn dequantizes 32-weight ranges
+    across an invocation's columns, so it needs exactly 32 of them."""
+    return tile[1] % 4 == 0 and (form == "nt" or tile[1] == 32)
+
+
+def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, texel: bool = False,
+                    tile: tuple = tuning.DEFAULT_TILE):
     """(kernel name, defines, local size, rows and columns per workgroup) of a qmatmul variant."""
     tb = int(form == "nt")
     if variant in ("gpu", "gpu16"):
@@ -61,13 +69,14 @@ def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, 
         return f"qmatmul_{form}_{f.name}_coop{c['CM']}x{c['CN']}x{c['CK']}_{bm}", d, c["LOCAL"], bm, bn
     if variant != "lvp":
         raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
-    t = LVP_TILE
-    d = dict(f.defines, TB=tb, VEC=vec, SV=sv, TM=t["TM"], TN=t["TN"])
+    tm, tn = tile
+    d = dict(f.defines, TB=tb, VEC=vec, SV=sv, TM=tm, TN=tn)
     if texel:
         d.update(TEXEL=1, QTEXEL=1)
-    lx, ly, _ = t["LOCAL"]
-    name = f"qmatmul_{form}_{f.name}_lvp_{'t' if texel else 'v'}{vec}s{sv}"
-    return name, d, t["LOCAL"], ly * t["TM"], lx * t["TN"]
+    lx, ly, _ = LVP_TILE["LOCAL"]
+    name = (f"qmatmul_{form}_{f.name}_lvp_{'t' if texel else 'v'}{vec}s{sv}"
+            + (f"_{tm}x{tn}" if tuple(tile) != tuning.DEFAULT_TILE else ""))
+    return name, d, LVP_TILE["LOCAL"], ly * tm, lx * tn
 
 
 WORD_FORMATS = {1: "r32ui", 2: "rg32ui", 4: "rgba32ui"}
@@ -82,11 +91,13 @@ def qtexel_bindings(f: Format, defines: dict) -> dict:
 
 
 def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: int = 1,
-                 batch_stride_x: int | None = None, variant: str | None = None, precision: str = "fp32") -> QuantPlan:
+                 batch_stride_x: int | None = None, variant: str | None = None, precision: str = "fp32",
+                 tile: tuple | None = None) -> QuantPlan:
     """Matmul with a quantized N x K weight W (dequantized in the shader):
     form 'nt': C (M x N) = X (M x K) . W^T;   form 'nn': C (M x K) = X (M x N) . W.
     X is fp32, batched with batch_stride_x elements (None: dense; 0: one X for every batch).
-    precision fp16: X and the dequantized W rounded to fp16, fp32 sums (vkdsl.matmul.fp16_choice)."""
+    precision fp16: X and the dequantized W rounded to fp16, fp32 sums (vkdsl.matmul.fp16_choice).
+    tile: the lvp kernel's rows x columns per invocation (None: vkdsl.tuning's choice)."""
     f = get_format(fmt)
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     check_shape(f, N, K)
@@ -107,7 +118,13 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     words = [n // (4 * w) for n, w in zip(array_nbytes(f.name, N, K), f.words)]
     texel = variant == "lvp" and texel_fits(dev, last * sx + rows * red, *words)
     vec = widest([red, sx], (4, 1) if texel else lvp_widths(dev))
-    name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1, texel)
+    if variant != "lvp" or tile is None:
+        tile = tuning.tile(dev, f"qmatmul:{f.name}", form, M, N, K, lambda t: qtile_fits(t, form)) \
+            if variant == "lvp" else tuning.DEFAULT_TILE
+    elif not qtile_fits(tile, form):
+        raise ValueError(f"qmatmul {form} tile {tile} does not fit the kernel")
+    name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1, texel,
+                                                   tile)
     kernel = build_kernel(dev, "qmatmul.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, local,
                           coopmat=variant == "coop", texels=qtexel_bindings(f, defines))
     groups = (-(-cols // bn), -(-rows // bm), batch) if min(rows, batch) > 0 else (0, 0, 0)

@@ -3,26 +3,33 @@
 A SPIR-V bundle (vkdsl.compiler.bundle: `vkdsl compile --bundle DIR [--for COMMAND]`, used with
 $VKDSL_SPIRV_BUNDLE=DIR) lets vkdsl run on a machine with no shader compiler: kernels are looked
 up by a hash of their expanded source, which does not depend on the compiler that built them.
-$VKDSL_SPIRV_RECORD=DIR adds every kernel a process uses to the bundle DIR."""
+$VKDSL_SPIRV_RECORD=DIR adds every kernel a process uses to the bundle DIR. The package ships one
+bundle (vkdsl/spirv: the kernels of the default job, verify, generate and bench on lavapipe) so a
+fresh install compiles nothing those use; $VKDSL_SPIRV_SHIPPED=0 ignores it."""
 from __future__ import annotations
 
 import os
 import re
 import shlex
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from . import bundle, cache
 from .backends import find_backend, find_coopmat_backend
 from .errors import CompileError, NoCompiler
 
 KERNEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels")
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "spirv")
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
 _backend = ...           # resolved lazily; None when no compiler exists
 _coop_backend = ...      # the same for kernels using GL_KHR_cooperative_matrix
 _memo: dict[tuple, bytes] = {}   # (source, defines, bundle) -> SPIR-V: re-recording re-reads no disk
 compiled_this_process: dict[str, tuple[str, str]] = {}   # source key -> (name, expanded source)
+origin = {"bundle": 0, "shipped": 0, "cache": 0, "compiler": 0}   # where this process's kernels came from
+_shipped_ok = True                   # False once the shipped bundle failed to read (said once)
 
-__all__ = ["compile_glsl", "expand", "forget_compiled", "CompileError", "NoCompiler", "backend", "write_bundle", "kernel_source"]
+__all__ = ["compile_glsl", "prefetch", "expand", "forget_compiled", "CompileError", "NoCompiler", "backend",
+           "write_bundle", "kernel_source"]
 
 
 def kernel_source(filename: str) -> str:
@@ -79,6 +86,19 @@ def compile_glsl(name: str, source: str, defines: dict | None = None, coopmat: b
     return _memo[mkey]
 
 
+def prefetch(kernels) -> None:
+    """Compile [(name, source, defines)] that are not yet in memory on all cores at once (a new
+    program's kernels; the compilers are processes or release the GIL). Errors surface later,
+    from compile_glsl, in program order."""
+    todo = [(n, s, d) for n, s, d in kernels
+            if (s, tuple(sorted((d or {}).items())), os.environ.get("VKDSL_SPIRV_BUNDLE")) not in _memo]
+    if len(todo) < 2 or backend() is None:
+        return
+    with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
+        for f in [pool.submit(compile_glsl, n, s, d) for n, s, d in todo]:
+            f.exception()
+
+
 def _compile(name: str, source: str, defines: dict | None, coopmat: bool = False) -> bytes:
     src = expand(source, defines)
     skey = cache.key(src, "target=" + "vulkan1.2")
@@ -86,13 +106,17 @@ def _compile(name: str, source: str, defines: dict | None, coopmat: bool = False
     blob = _from_bundle_or_compiler(name, src, skey, coopmat)
     record = os.environ.get("VKDSL_SPIRV_RECORD")
     if record:                            # every kernel this process uses goes into that bundle
-        bundle.add(record, {skey: (name, blob)}, {"vkdsl": _version()})
+        bundle.add(record, {skey: (name, blob, src)}, {"vkdsl": _version()})
     return blob
 
 
 def _from_bundle_or_compiler(name: str, src: str, skey: str, coopmat: bool = False) -> bytes:
     where = os.environ.get("VKDSL_SPIRV_BUNDLE")
     blob = bundle.lookup(where, skey) if where else None
+    if blob is None:
+        blob = _from_shipped(skey)
+    else:
+        origin["bundle"] += 1
     if blob is not None:
         return blob
     be = coopmat_backend() if coopmat else backend()
@@ -113,6 +137,26 @@ def _from_bundle_or_compiler(name: str, src: str, skey: str, coopmat: bool = Fal
         if not cache.valid_spirv(blob):
             raise CompileError(name, f"compiler returned {len(blob)} bytes that are not SPIR-V", src, be.identity)
         cache.store(k, blob)
+        origin["compiler"] += 1
+    else:
+        origin["cache"] += 1
+    return blob
+
+
+def _from_shipped(skey: str) -> bytes | None:
+    """The package's own bundle, unless switched off; a damaged one is said once and then ignored."""
+    global _shipped_ok
+    if not _shipped_ok or os.environ.get("VKDSL_SPIRV_SHIPPED") == "0" \
+            or not os.path.exists(os.path.join(SHIPPED, bundle.INDEX)):
+        return None
+    try:
+        blob = bundle.lookup(SHIPPED, skey)
+    except NoCompiler as e:
+        _shipped_ok = False
+        print(f"vkdsl: ignoring the shipped SPIR-V ({e}); compiling instead", file=sys.stderr)
+        return None
+    if blob is not None:
+        origin["shipped"] += 1
     return blob
 
 
@@ -128,5 +172,5 @@ def _version() -> str:
 
 def write_bundle(root: str, entries: dict[str, tuple[str, str]], built: dict | None = None) -> int:
     """Compile each (name, expanded source) into bundle root (vkdsl.compiler.bundle) -> kernels it holds."""
-    return bundle.add(root, {k: (name, compile_glsl(name, src)) for k, (name, src) in entries.items()},
-                      {"vkdsl": _version(), **(built or {})})
+    return bundle.add(root, {k: (name, compile_glsl(name, src), src) for k, (name, src) in entries.items()},
+                      {"vkdsl": _version(), "compiler": backend().identity, **(built or {})})

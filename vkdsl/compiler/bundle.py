@@ -1,8 +1,9 @@
 """SPIR-V bundles: a folder of compiled kernels that lets vkdsl run where no shader compiler is.
 
 DIR/index.json maps each kernel's source key (sha256 of its expanded GLSL, which does not depend on
-the compiler) to DIR/<name>-<key>.spv and its sha256, and says what the bundle was built for: the
-vkdsl version, the device and the jobs recorded into it. Generated kernels have their shapes baked
+the compiler) to DIR/<name>-<key>.spv and its sha256 (and, where recorded, the gzipped source
+beside it, so `check` can recompile it), and says what the bundle was built for: the vkdsl
+version, the compiler, the device and the jobs recorded into it. Generated kernels have their shapes baked
 in, so a job's kernels depend on its model, batch sizes and data lengths: a bundle holds the
 built-in kernels plus whatever the recorded jobs compiled ($VKDSL_SPIRV_RECORD=DIR, or `vkdsl
 compile --bundle DIR --for "COMMAND"`). Every write is a whole file moved into place (the .spv
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gzip
 import hashlib
 import json
 import os
@@ -37,8 +39,9 @@ def read_index(root: str) -> dict:
             if not (isinstance(entry, dict) and all(isinstance(entry.get(f), str) for f in ENTRY)):
                 raise ValueError(f"kernels[{key!r}] is {json.dumps(entry)[:60]}, not an object of strings "
                                  f"{', '.join(ENTRY)}")
-            if os.path.isabs(entry["file"]) or ".." in entry["file"].replace("\\", "/").split("/"):
-                raise ValueError(f"kernels[{key!r}] names {entry['file']!r}, not a file inside the bundle")
+            for f in (entry["file"], entry.get("source", "")):
+                if not isinstance(f, str) or os.path.isabs(f) or ".." in f.replace("\\", "/").split("/"):
+                    raise ValueError(f"kernels[{key!r}] names {f!r}, not a file inside the bundle")
         built = index.get("built", {})
         if not isinstance(built, dict) or not (isinstance(built.get("jobs", []), list)
                                                and all(isinstance(j, str) for j in built.get("jobs", []))):
@@ -91,17 +94,21 @@ def _current(root: str) -> dict:
     return read_index(root)
 
 
-def add(root: str, kernels: dict[str, tuple[str, bytes]], built: dict | None = None) -> int:
-    """Put kernels {key: (name, spirv)} into the bundle (merging with what it holds) and update
-    what it was built for: built's "jobs" are appended, its other fields replace. -> kernels held."""
+def add(root: str, kernels: dict[str, tuple[str, bytes, str]], built: dict | None = None) -> int:
+    """Put kernels {key: (name, spirv, expanded source)} into the bundle (merging with what it holds)
+    and update what it was built for: built's "jobs" are appended, its other fields replace.
+    -> kernels held."""
     with _locked(root):
         index = _current(root)
-        for key, (name, blob) in sorted(kernels.items()):
+        for key, (name, blob, src) in sorted(kernels.items()):
             if key in index["kernels"]:
                 continue
             fname = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)[:60]}-{key[:12]}.spv"
+            # mtime=0: the same source gives the same bytes, so a rebuilt bundle diffs only where it changed
+            atomic_write(os.path.join(root, fname + ".glsl.gz"), gzip.compress(src.encode(), 9, mtime=0))
             atomic_write(os.path.join(root, fname), blob)
-            index["kernels"][key] = {"name": name, "file": fname, "sha256": hashlib.sha256(blob).hexdigest()}
+            index["kernels"][key] = {"name": name, "file": fname, "sha256": hashlib.sha256(blob).hexdigest(),
+                                     "source": fname + ".glsl.gz"}
         if built:
             old = index.setdefault("built", {})
             jobs = old.get("jobs", []) + [j for j in built.get("jobs", []) if j not in old.get("jobs", [])]
@@ -109,3 +116,23 @@ def add(root: str, kernels: dict[str, tuple[str, bytes]], built: dict | None = N
         atomic_write(os.path.join(root, INDEX), json.dumps(index, indent=1, sort_keys=True).encode())
         _read.pop(root, None)
         return len(index["kernels"])
+
+
+def check(root: str, compile_source, keys=None) -> list[str]:
+    """Recompile the bundle's recorded sources (all, or those of keys) with compile_source(name, src)
+    -> SPIR-V and say, one line each, where the bundle differs: a source whose hash is not its key,
+    a missing source, or SPIR-V other than what the compiler makes of that source."""
+    from .cache import key as source_key
+    index, bad = read_index(root), []
+    for k in sorted(keys if keys is not None else index["kernels"]):
+        entry = index["kernels"][k]
+        if "source" not in entry:
+            bad.append(f"{entry['file']}: no recorded source")
+            continue
+        with open(os.path.join(root, entry["source"]), "rb") as f:
+            src = gzip.decompress(f.read()).decode()
+        if source_key(src, "target=vulkan1.2") != k:
+            bad.append(f"{entry['source']}: its source does not hash to its key {k[:12]}")
+        elif hashlib.sha256(compile_source(entry["name"], src)).hexdigest() != entry["sha256"]:
+            bad.append(f"{entry['file']}: differs from what the compiler makes of {entry['source']}")
+    return bad

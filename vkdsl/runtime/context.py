@@ -9,6 +9,7 @@ import vulkan as vk
 from .device import DeviceInfo, instance, select
 from .profiles import apply, named
 from .errors import DeviceMemoryError, VulkanError, vkcall
+from .pipeline_cache import PipelineCache
 
 
 class Device:
@@ -48,7 +49,8 @@ class Device:
         self.command_pool = vkcall(vk.vkCreateCommandPool, self.handle, vk.VkCommandPoolCreateInfo(
             flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT, queueFamilyIndex=self.queue_family), None)
         self.memory_properties = vk.vkGetPhysicalDeviceMemoryProperties(pd)
-        self.kernels = {}          # pipeline cache: (spirv digest, binding count, push size) -> Kernel
+        self.kernels = {}          # (spirv digest, binding count, push size, ...) -> Kernel, built once
+        self.pipeline_cache = PipelineCache(self)      # the driver's, kept on disk between runs
         self.allocated_bytes = 0   # live device memory, for memory-honesty reports
         self.peak_bytes = 0
 

@@ -42,7 +42,7 @@ class Kernel:
         spec = vk.VkSpecializationInfo(mapEntryCount=3, pMapEntries=entries, dataSize=12, pData=vk.ffi.cast("void*", data))
         stage = vk.VkPipelineShaderStageCreateInfo(stage=vk.VK_SHADER_STAGE_COMPUTE_BIT, module=self.module,
                                                    pName="main", pSpecializationInfo=spec)
-        self.pipeline = vkcall(vk.vkCreateComputePipelines, h, None, 1,
+        self.pipeline = vkcall(vk.vkCreateComputePipelines, h, device.pipeline_cache.handle, 1,
                                [vk.VkComputePipelineCreateInfo(stage=stage, layout=self.layout)], None,
                                detail=f"kernel {name}")[0]
 

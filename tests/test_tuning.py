@@ -1,0 +1,123 @@
+"""Per-device tuning (vkdsl.tuning, `vkdsl tune`): every tile the tuner may choose computes the
+matmul (against numpy float64) and the default tile's bits; a tuning file from another driver or a
+damaged one is ignored in one line; the command writes a file the planners then read."""
+import json
+
+import numpy as np
+import pytest
+
+from fixtures.cli import vkdsl
+from vkdsl import tuning
+from vkdsl.matmul import plan_matmul, record_matmul
+from vkdsl.ops.quant.bench import _example_weight
+from vkdsl.ops.quant.formats import dequantize
+from vkdsl.ops.quant.kernels import plan_qmatmul, qtile_fits, record_qmatmul
+from vkdsl.ops.quant.linear import upload_weight
+from vkdsl.runtime import Buffer, Recording, default_device
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKDSL_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("VKDSL_TUNING", raising=False)
+    tuning.forget()
+    yield tmp_path
+    tuning.forget()
+
+
+def _run(dev, plan, record, C):
+    C.write(np.full(C.nbytes // 4, np.nan, np.float32))       # no output left over from another tile
+    rec = Recording(dev, 1)
+    record(rec, plan)
+    rec.submit_wait()
+    return rec
+
+
+def test_every_tile_computes_the_default_tiles_bits():
+    # ragged edges (37 x 100 x 40, 300 x 9 x 64): every tile clamps, masks and grids differently
+    dev, rng = default_device(), np.random.default_rng(3)
+    for (M, N, K), tb in (((37, 100, 40), True), ((300, 9, 64), False)):
+        a = rng.standard_normal((M, K)).astype(np.float32)
+        b = rng.standard_normal((N, K) if tb else (K, N)).astype(np.float32)
+        ref = a.astype(np.float64) @ (b.T if tb else b).astype(np.float64)
+        A, B, C = Buffer(dev, a.nbytes), Buffer(dev, b.nbytes), Buffer(dev, 4 * M * N)
+        A.write(a)
+        B.write(b)
+        outs = {}
+        for tile in tuning.TILES:
+            p = plan_matmul(dev, M=M, N=N, K=K, tb=tb, tile=tile, variant="lvp")
+            _run(dev, p, lambda rec, p: record_matmul(rec, p, C, A, B), C).release()
+            outs[tile] = C.read(np.float32, M * N).reshape(M, N).copy()
+            err = np.abs(outs[tile] - ref).max() / np.abs(ref).max()
+            assert err < 1e-5, (tile, p.name, err)
+        assert all(np.array_equal(o, outs[tuning.DEFAULT_TILE]) for o in outs.values())
+
+
+def test_every_qmatmul_tile_computes_the_default_tiles_bits():
+    dev, rng = default_device(), np.random.default_rng(4)
+    M, N, K = 45, 36, 64
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    qw = _example_weight("q4_1", w)
+    wd = dequantize(qw).astype(np.float64)            # the format's own values, independent of the kernel
+    qbufs = upload_weight(dev, qw)
+    for form in ("nt", "nn"):
+        rows, cols, red = (M, N, K) if form == "nt" else (M, K, N)
+        x = rng.standard_normal((rows, red)).astype(np.float32)
+        ref = x.astype(np.float64) @ (wd.T if form == "nt" else wd)
+        X, C = Buffer(dev, x.nbytes), Buffer(dev, 4 * rows * cols)
+        X.write(x)
+        outs = {}
+        for tile in (t for t in tuning.TILES if qtile_fits(t, form)):
+            p = plan_qmatmul(dev, "q4_1", M=M, N=N, K=K, form=form, tile=tile, variant="lvp")
+            _run(dev, p, lambda rec, p: record_qmatmul(rec, p, C, X, *qbufs), C).release()
+            outs[tile] = C.read(np.float32, rows * cols).reshape(rows, cols).copy()
+            assert np.abs(outs[tile] - ref).max() / np.abs(ref).max() < 1e-5, (form, tile, p.name)
+        assert len(outs) >= 3 and all(np.array_equal(o, outs[tuning.DEFAULT_TILE]) for o in outs.values())
+
+
+def _plant(dev, data) -> str:
+    path = tuning.path(dev)
+    import os
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("how", ["not json", "another driver", "a tile no kernel has"])
+def test_a_foreign_or_damaged_tuning_file_is_ignored_in_one_line(own_cache, capsys, how):
+    dev = default_device()
+    good = {"format": 1, "identity": tuning.identity(dev),
+            "entries": {tuning.shape_class("matmul", "nt", 64, 8, 64): {"tile": [8, 8]}}}
+    data = {"not json": "{\"format\": 1, ", "another driver": {**good, "identity": {**good["identity"], "driver_info": "Mesa 0.1"}},
+            "a tile no kernel has": {**good, "entries": {"x": {"tile": [3, 5]}}}}[how]
+    path = _plant(dev, data)
+    assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4"    # the default
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"vkdsl: ignoring the tuning file {path} (")
+    tuning.forget()
+    _plant(dev, good)                                   # the same entry, measured here: used
+    assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4_8x8"
+
+
+def test_tune_writes_what_the_planners_then_read(own_cache, monkeypatch):
+    p = vkdsl(["tune", "--shape", "matmul:nt:256x8x64", "--shape", "qmatmul:q4_1:nt:64x64x64", "--rounds", "2"],
+              VKDSL_CACHE_DIR=str(own_cache))
+    assert p.returncode == 0, p.stderr
+    assert "tuned 2 shape classes" in p.stdout
+    dev = default_device()
+    e = tuning.entries(dev)
+    key = tuning.shape_class("matmul", "nt", 256, 8, 64)
+    tile = tuple(e[key]["tile"])
+    name = plan_matmul(dev, M=200, N=8, K=60, tb=True).name      # the same class
+    assert name.endswith("" if tile == tuning.DEFAULT_TILE else f"_{tile[0]}x{tile[1]}")
+    monkeypatch.setenv("VKDSL_TUNING", "0")
+    assert plan_matmul(dev, M=200, N=8, K=60, tb=True).name == "matmul_nt_lvp_t4s4"
+    show = vkdsl(["tune", "--show"], VKDSL_CACHE_DIR=str(own_cache))
+    assert key in show.stdout and "2 shape classes" in show.stdout
+
+
+@pytest.mark.parametrize("arg", ["matmul:nt:8x8", "qmatmul:q4_1:tn:8x8x8", "conv:nt:8x8x8"])
+def test_a_bad_shape_is_one_line(arg):
+    p = vkdsl(["tune", "--shape", arg])
+    assert p.returncode == 2 and "expected OP:FORM:MxNxK" in p.stderr and "Traceback" not in p.stderr

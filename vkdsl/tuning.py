@@ -1,0 +1,118 @@
+"""Per-device tuning: the measured winner per (op, shape class), kept in one file per driver build
+and read by the planners. Without a file (or with VKDSL_TUNING=0) every planner keeps its default,
+deterministically.
+
+What is tuned: the tile of the register-blocked CPU kernels (fp32 `matmul` and the packed-weight
+`qmatmul`): rows x columns of C per invocation. A tile changes which invocation computes which
+outputs, never the order of any output's sum, so a tuned plan's results are bitwise those of the
+default (`vkdsl tune` checks each candidate against the default's output before keeping it).
+
+The file, <SPIR-V cache>/tuning/<driver>.json, names the device and driver it was measured on;
+one from another driver or version, or a damaged one, is said in one line and not used (and
+`vkdsl tune` measures afresh over it). `vkdsl tune` (ops/tune.py) writes it."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+from .fileio import atomic_write
+from .handwritten import LVP_TILE
+
+FORMAT = 1
+DEFAULT_TILE = (LVP_TILE["TM"], LVP_TILE["TN"])
+# candidate tiles (rows, columns): columns a multiple of 4 (vec4 accumulators), at most 512
+# accumulators (larger spilled on lavapipe: 32x32 ran at ~25 GFLOP/s against ~43 for 16x32)
+TILES = ((16, 32), (8, 32), (32, 16), (16, 16), (8, 16), (4, 32), (16, 8), (8, 8), (32, 8), (4, 16))
+_files: dict[str, dict] = {}             # path -> entries (read once per process)
+
+
+def identity(dev) -> dict:
+    """What a tuning is valid for: the device and its driver build."""
+    i = dev.info
+    return {"device": i.name, "driver": i.driver, "driver_info": i.driver_info, "api": i.api_version,
+            "profile": i.profile}
+
+
+def path(dev) -> str:
+    from .compiler.cache import cache_dir
+    ident = json.dumps(identity(dev), sort_keys=True)
+    slug = "".join(c if c.isalnum() else "-" for c in dev.info.name)[:40]
+    return os.path.join(cache_dir(), "tuning", f"{slug}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
+
+
+def shape_class(op: str, form: str, M: int, N: int, K: int) -> str:
+    """Shapes within the same powers of two share a tuning: 'qmatmul:q4_1 nt 1024x576x1024'."""
+    def up(x):
+        return 1 << max(0, int(x) - 1).bit_length()
+    return f"{op} {form} {up(M)}x{up(N)}x{up(K)}"
+
+
+def _check(data, dev) -> dict:
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"expected an object with format {FORMAT}")
+    if data.get("identity") != identity(dev):
+        raise ValueError(f"measured on {data.get('identity')}, not this device and driver")
+    entries = data.get("entries")
+    if not isinstance(entries, dict):
+        raise ValueError("'entries' is not an object")
+    for k, e in entries.items():
+        if not (isinstance(e, dict) and isinstance(e.get("tile"), list) and tuple(e["tile"]) in TILES):
+            raise ValueError(f"entries[{k!r}] has no tile among {list(TILES)}")
+    return entries
+
+
+def entries(dev) -> dict:
+    """The tuned entries for this device ({} without a usable file: said once per process)."""
+    p = path(dev)
+    if p not in _files:
+        _files[p] = {}
+        try:
+            with open(p) as f:
+                _files[p] = _check(json.load(f), dev)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            print(f"vkdsl: ignoring the tuning file {p} ({str(e)[:160]}); defaults until `vkdsl tune` "
+                  f"measures again", file=sys.stderr)
+    return _files[p]
+
+
+def tile(dev, op: str, form: str, M: int, N: int, K: int, fits=lambda t: True) -> tuple[int, int]:
+    """(rows, columns) per invocation for this op and shape on this device: tuned (when the kernel
+    can take that tile: fits), else the default. $VKDSL_TUNE_RECORD=FILE lists the shapes asked for."""
+    record = os.environ.get("VKDSL_TUNE_RECORD")
+    if record:
+        _record(record, op, form, M, N, K)
+    if os.environ.get("VKDSL_TUNING") == "0":
+        return DEFAULT_TILE
+    e = entries(dev).get(shape_class(op, form, M, N, K))
+    return tuple(e["tile"]) if e and fits(tuple(e["tile"])) else DEFAULT_TILE
+
+
+_recorded: set = set()
+
+
+def _record(where: str, *shape):
+    """One line per distinct shape a process plans (appended: several ranks may share the file)."""
+    if shape in _recorded or min(shape[2:]) <= 0:
+        return
+    _recorded.add(shape)
+    with open(where, "a") as f:
+        f.write(json.dumps(list(shape)) + "\n")
+
+
+def save(dev, new: dict) -> str:
+    """Merge new entries {class: {"tile": [r, c], ...}} into this device's file -> its path."""
+    p = path(dev)
+    merged = {**entries(dev), **new}
+    atomic_write(p, json.dumps({"format": FORMAT, "identity": identity(dev), "entries": merged},
+                               indent=1, sort_keys=True).encode())
+    _files[p] = merged
+    return p
+
+
+def forget():
+    """Drop what was read (tests, and `vkdsl tune` after writing)."""
+    _files.clear()
