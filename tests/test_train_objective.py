@@ -219,3 +219,15 @@ def test_profile_classes_cover_every_dispatch(tiny):
     assert sum(r["calls"] for r in kernels) == sum(1 for s in prog.steps if s.kind != "assign")
     assert {"LoRA (narrow matmuls)", "LM head + cross-entropy"} <= {r["class"] for r in kernels}
     assert all(r["gflops"] is None or r["gflops"] > 0 for r in rows)
+
+
+def test_profile_names_the_delta_rules_solve_apart_from_the_embedding_gather():
+    # the chunk solve is a hand-written kernel of its own, not an "embedding gather" (as it was filed)
+    import vkdsl
+    from vkdsl.ops.gated_delta import tri_inverse
+    from vkdsl.realize import Program
+    from vkdsl.train.profile import CLASSES, kernel_class
+    a = vkdsl.tensor(np.tril(np.random.default_rng(0).standard_normal((2, 8, 8)).astype(np.float32), -1))
+    prog = Program([tri_inverse(a) * 2.0])
+    classes = [kernel_class(s, vocab=50) for s in prog.steps if s.kind == "custom"]
+    assert classes == [CLASSES[10]] and "delta rule" in CLASSES[10] and "gather" not in CLASSES[10]

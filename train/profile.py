@@ -14,7 +14,8 @@ from vkdsl.bench import step_flops, time_steps
 CLASSES = ("quantized matmul, forward (x·Wᵀ)", "quantized matmul, input gradient (dy·W)", "LM head + cross-entropy",
            "attention forward (fused kernel)", "LoRA (narrow matmuls)", "fp32 matmul (attention backward, other)",
            "elementwise and reductions (norms, RoPE, SwiGLU, softmax pieces)", "embedding gather",
-           "attention backward (fused kernels)", "ordering copies (head + loss fusion)")
+           "attention backward (fused kernels)", "ordering copies (head + loss fusion)",
+           "other hand-written kernels (dequantize, the delta rule's chunk solve)")
 
 
 def kernel_class(step, vocab: int) -> str:
@@ -31,7 +32,7 @@ def kernel_class(step, vocab: int) -> str:
             return CLASSES[3]
         if name == "after":
             return CLASSES[9]
-        return CLASSES[7]
+        return CLASSES[7] if name.startswith("qgather") else CLASSES[10]
     if step.kind == "matmul":
         a, b = t.src
         if vocab in t.shape or vocab in a.shape or vocab in b.shape:
