@@ -109,3 +109,27 @@ def bench_or_profile(objective="sft", path=None, profile=False, checkpoint="none
     if not profile:
         return bench_train(objective, path, checkpoint, plan, shape, targets, steps, lr)
     return profile_dpo(path) if objective == "dpo" else profile_sft(path)
+
+
+def profile_bench_sft(shape: str = "4x256", targets: str = "qv", path=None) -> list[dict]:
+    """The bench rows' SFT step (random tokens, every position supervised, no frozen prefix) by class."""
+    from vkdsl.models import load_model_files
+    from vkdsl.models.default import default_model_path
+    from vkdsl.models.llama import Llama
+    from .bench import ALL, _select_args, sft_stepper, time_stepper
+    B, T = (int(v) for v in shape.split("x"))
+    model = Llama(load_model_files(path or default_model_path())[0])
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
+    labels = np.roll(ids, -1, axis=1)
+    st, params = sft_stepper(model, ("attn_q", "attn_v") if targets == "qv" else ALL)
+    wall, _ = time_stepper(model, st, params, [(ids, labels)], reps=1)
+    return table(st.fn.program(ids, *_select_args(labels)), model.cfg.vocab_size, wall, f"sft {shape} {targets}")
+
+
+if __name__ == "__main__":
+    # python -m vkdsl.train.profile [4x256] [qv|all]: the bench SFT row by kernel class
+    import sys
+    for r in profile_bench_sft(*sys.argv[1:3]):
+        print(f"{r['class']:70s} calls={r['calls']:5d} seconds={r['seconds']:7.3f} share={r['share']:.3f} "
+              f"gflops={r['gflops'] if r['gflops'] is None else round(r['gflops'], 1)}")
