@@ -96,8 +96,8 @@ def tune_shape(dev, op: str, form: str, M: int, N: int, K: int, rounds: int = 3,
             rec.submit_wait()
             ms[t] = min(ms[t], (time.perf_counter() - s) * 1e3)
     same = {t for t, (_, out) in recs.items() if np.array_equal(out, want, equal_nan=True)}
-    for t, _ in recs.values():
-        t.release()
+    for rec, _ in recs.values():
+        rec.release()
     best = min(same, key=lambda t: ms[t])
     if ms[best] > ms[tuning.DEFAULT_TILE] * (1 - MARGIN):
         best = tuning.DEFAULT_TILE
