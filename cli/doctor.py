@@ -71,12 +71,12 @@ def _choices(dev) -> list[tuple]:
 def _shipped() -> tuple[str, str]:
     """How many compiled kernels came with the package, and for what."""
     import os
-    from vkdsl.compiler import SHIPPED, bundle
+    from vkdsl.compiler import SHIPPED, NoCompiler, bundle
     if os.environ.get("VKDSL_SPIRV_SHIPPED") == "0":
         return "off", "VKDSL_SPIRV_SHIPPED=0: every kernel compiles here (or comes from a bundle)"
     try:
         index = bundle.read_index(SHIPPED)
-    except Exception as e:                    # a broken install still gets its doctor report
+    except NoCompiler as e:                   # a broken install still gets its doctor report
         return "unreadable", str(e)
     built = index.get("built", {})
     return (f"{len(index['kernels'])} kernels",

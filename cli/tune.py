@@ -9,7 +9,7 @@ import tempfile
 
 import click
 
-from .common import GATE_FAILED, device_option, open_device
+from .common import device_option, open_device
 
 SHAPE = re.compile(r"^(matmul|qmatmul:[a-z0-9_]+):(nn|nt|tn|tt):(\d+)x(\d+)x(\d+)$")
 
@@ -24,15 +24,13 @@ def _shape(text: str) -> tuple:
 
 def _shapes_of(job: str) -> list[tuple]:
     """Run a vkdsl / vkdsl-train command line once, for real, listing the matmul shapes it plans."""
-    from .verify import _job_command
+    from .verify import _job_command, run_job
     cmd = _job_command(job)
     with tempfile.TemporaryDirectory() as tmp:
         where = os.path.join(tmp, "shapes.jsonl")
-        env = dict(os.environ, VKDSL_TUNE_RECORD=where, VKDSL_TUNING="0")
         click.echo(f"running {job!r} once to list its matmul shapes")
-        code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL).returncode
-        if code not in (0, GATE_FAILED):            # a job whose gates failed still planned its shapes
-            raise click.ClickException(f"--for {job!r} exited {code}; nothing tuned")
+        run_job(job, cmd, dict(os.environ, VKDSL_TUNE_RECORD=where, VKDSL_TUNING="0"), "nothing tuned",
+                stdout=subprocess.DEVNULL)
         if not os.path.exists(where):
             return []
         with open(where) as f:

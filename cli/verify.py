@@ -202,18 +202,23 @@ def _check_parses(job: str, argv: list[str]):
                                  param_hint="--for") from None
 
 
-def _record(bundle, job, cmd) -> int:
-    """Run one job with $VKDSL_SPIRV_RECORD=bundle; a job whose gates fail (GATE_FAILED) still counts."""
-    import os
+def run_job(job: str, cmd: list[str], env: dict, failed: str, stdout=None):
+    """Run a --for job once in env (`cmd`: _job_command's); a job whose gates fail (GATE_FAILED)
+    still counts, any other non-zero exit is one line ending in `failed`."""
     import subprocess
+    code = subprocess.run(cmd, env=env, stdout=stdout).returncode
+    if code not in (0, GATE_FAILED):
+        raise click.ClickException(f"--for {job!r} exited {code}; {failed}")
+
+
+def _record(bundle, job, cmd) -> int:
+    """Run one job with $VKDSL_SPIRV_RECORD=bundle (and no bundle to read from)."""
+    import os
     from vkdsl.compiler import bundle as B
     env = {k: v for k, v in os.environ.items() if k != "VKDSL_SPIRV_BUNDLE"}
     env["VKDSL_SPIRV_RECORD"] = os.path.abspath(bundle)
     click.echo(f"recording {job!r} (it runs once)")
-    code = subprocess.run(cmd, env=env).returncode
-    if code not in (0, GATE_FAILED):
-        raise click.ClickException(f"--for {job!r} exited {code}; the bundle keeps the kernels it used before "
-                                   f"failing, and does not list the job")
+    run_job(job, cmd, env, "the bundle keeps the kernels it used before failing, and does not list the job")
     return B.add(bundle, {}, {"jobs": [job]})
 
 

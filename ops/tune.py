@@ -13,26 +13,27 @@ import numpy as np
 
 from vkdsl import tuning
 from vkdsl.handwritten import default_variant
-from vkdsl.matmul import FORMS, lvp_tile_fits, plan_matmul, record_matmul
+from vkdsl.matmul import FORMS, plan_matmul, record_matmul
 from vkdsl.runtime import Buffer, Recording
 
 from .quant.formats import get_format
-from .quant.kernels import plan_qmatmul, qtile_fits, record_qmatmul
+from .quant.kernels import plan_qmatmul, record_qmatmul
 
 MARGIN = 0.03           # a candidate must be this much faster than the default to replace it
 
 
 def _weight(fmt: str, n: int, k: int, rng):
     """A packed example weight, or None where no host quantizer exists (gguf-py lacks the K-quants')."""
-    from .quant.bench import _example_weight
+    from .quant.bench import example_weight
     try:
-        return _example_weight(fmt, rng.standard_normal((n, k)).astype(np.float32))
+        return example_weight(fmt, rng.standard_normal((n, k)).astype(np.float32))
     except (NotImplementedError, AttributeError, ValueError):
         return None
 
 
 def _case(dev, op: str, form: str, M: int, N: int, K: int, rng):
-    """(plan for a tile, record into rec, output buffer, output count) of one shape, or None."""
+    """(plan for a tile, record into rec, output buffer, output count) of one shape, or None; the
+    plan raises ValueError for a tile its kernel cannot take."""
     if op == "matmul":
         ta, tb = {v: k for k, v in FORMS.items()}[form]
         a = rng.standard_normal(M * K).astype(np.float32)
@@ -43,10 +44,7 @@ def _case(dev, op: str, form: str, M: int, N: int, K: int, rng):
 
         def plan(tile):
             return plan_matmul(dev, M=M, N=N, K=K, ta=ta, tb=tb, tile=tile, variant="lvp")
-
-        def fits(tile, p):
-            return lvp_tile_fits(tile, ta, tb, _vec(p.name))
-        return plan, lambda rec, p: record_matmul(rec, p, C, A, B), C, M * N, fits
+        return plan, lambda rec, p: record_matmul(rec, p, C, A, B), C, M * N
     fmt = op.split(":", 1)[1]
     from .quant.linear import upload_weight
     qw = _weight(fmt, N, K, rng)
@@ -60,13 +58,7 @@ def _case(dev, op: str, form: str, M: int, N: int, K: int, rng):
 
     def plan(tile):
         return plan_qmatmul(dev, fmt, M=M, N=N, K=K, form=form, tile=tile, variant="lvp")
-    return plan, lambda rec, p: record_qmatmul(rec, p, C, X, *qbufs), C, rows * cols, \
-        lambda tile, p: qtile_fits(tile, form)
-
-
-def _vec(name: str) -> int:
-    """The load width in a lvp kernel's name (..._lvp_t4s4 -> 4)."""
-    return int(name.split("_lvp_")[1][1:].split("s")[0])
+    return plan, lambda rec, p: record_qmatmul(rec, p, C, X, *qbufs), C, rows * cols
 
 
 def tune_shape(dev, op: str, form: str, M: int, N: int, K: int, rounds: int = 3, say=print) -> dict | None:
@@ -76,13 +68,13 @@ def tune_shape(dev, op: str, form: str, M: int, N: int, K: int, rounds: int = 3,
     if case is None:
         say(f"  {op} {form} {M}x{N}x{K}: no host quantizer for this format; left at the default")
         return None
-    plan, record, C, count, fits = case
-    base = plan(tuning.DEFAULT_TILE)
+    plan, record, C, count = case
     recs = {}
-    for tile in tuning.TILES:
-        if tile != tuning.DEFAULT_TILE and not fits(tile, base):
+    for tile in tuning.TILES:                          # the default first: TILES[0]
+        try:
+            p = plan(tile)
+        except ValueError:                             # a tile this kernel and shape cannot take
             continue
-        p = plan(tile)
         rec = Recording(dev, 1)
         record(rec, p)
         C.write(np.full(C.nbytes // 4, np.nan, np.float32))     # nothing left over from another tile

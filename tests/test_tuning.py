@@ -9,7 +9,7 @@ import pytest
 from fixtures.cli import vkdsl
 from vkdsl import tuning
 from vkdsl.matmul import plan_matmul, record_matmul
-from vkdsl.ops.quant.bench import _example_weight
+from vkdsl.ops.quant.bench import example_weight
 from vkdsl.ops.quant.formats import dequantize
 from vkdsl.ops.quant.kernels import plan_qmatmul, qtile_fits, record_qmatmul
 from vkdsl.ops.quant.linear import upload_weight
@@ -57,7 +57,7 @@ def test_every_qmatmul_tile_computes_the_default_tiles_bits():
     dev, rng = default_device(), np.random.default_rng(4)
     M, N, K = 45, 36, 64
     w = rng.standard_normal((N, K)).astype(np.float32)
-    qw = _example_weight("q4_1", w)
+    qw = example_weight("q4_1", w)
     wd = dequantize(qw).astype(np.float64)            # the format's own values, independent of the kernel
     qbufs = upload_weight(dev, qw)
     for form in ("nt", "nn"):

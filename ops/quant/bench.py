@@ -16,7 +16,8 @@ from .kernels import plan_qmatmul, record_qmatmul
 from .linear import upload_weight
 
 
-def _example_weight(fmt, w):
+def example_weight(fmt, w):
+    """A packed example of weight w in format fmt (gguf-py quantizes the GGUF formats it can)."""
     if get_format(fmt).gguf:
         import gguf
         return from_gguf(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, fmt.upper())), fmt)
@@ -39,7 +40,7 @@ def bench(M=256, K=576, N=1536, fmts=("q4_1",), forms=("nt", "nn"), rounds=5, de
         rf = Recording(dev, 1)
         record_matmul(rf, pf, C, X, W)
         for fmt in fmts:
-            qbufs = upload_weight(dev, _example_weight(fmt, w))
+            qbufs = upload_weight(dev, example_weight(fmt, w))
             pq = plan_qmatmul(dev, fmt, M=M, N=N, K=K, form=form)
             rq = Recording(dev, 1)
             record_qmatmul(rq, pq, C, X, *qbufs)
