@@ -73,22 +73,27 @@ def _rendered(dev, step):
     return render.render_step(step, subgroups=dev.limits.subgroup_arithmetic and default_variant(dev) == "gpu")
 
 
-def generated_kernel(dev, step):
-    """(pipeline, workgroups) of a generated step: the renderer says the geometry."""
-    r = _rendered(dev, step)
+def generated_kernel(dev, step, r=None):
+    """(pipeline, workgroups) of a generated step (r: its rendering, when done already): the
+    renderer says the geometry."""
+    r = r or _rendered(dev, step)
     k = get_kernel(dev, r.name, compile_glsl(r.name, r.source), 1 + len(step.inputs), 0, r.local)
     return k, fold_grid(dev, r.n_groups)
 
 
-def compile_ahead(dev, steps):
-    """Compile a program's generated kernels on all cores before recording takes them one by one."""
+def compile_ahead(dev, steps) -> dict:
+    """Compile a program's generated kernels on all cores before recording takes them one by one
+    -> {id(step): its rendering}, for the recording to reuse."""
     gen = [s for s in steps if s.kind not in ("matmul", "custom")
            and not (s.kind == "assign" and len(s.inputs) == 1 and s.inputs[0] is s.node)]
-    if len(gen) > 1:
-        try:
-            prefetch([(r.name, r.source, None) for r in (_rendered(dev, s) for s in gen)])
-        except ValueError:
-            pass                         # recording raises it again, at the step it belongs to
+    if len(gen) < 2:
+        return {}
+    try:
+        rendered = {id(s): _rendered(dev, s) for s in gen}
+    except ValueError:
+        return {}                        # recording raises it again, at the step it belongs to
+    prefetch([(r.name, r.source, None) for r in rendered.values()])
+    return rendered
 
 
 def step_name(step) -> str:
@@ -100,8 +105,9 @@ def step_name(step) -> str:
     return render.kernel_name(step)                # the name without rendering the source
 
 
-def record_step(rec, step, buffer_of):
-    """Record one scheduled step into rec: the one place that knows how each kind is dispatched."""
+def record_step(rec, step, buffer_of, rendered: dict | None = None):
+    """Record one scheduled step into rec: the one place that knows how each kind is dispatched
+    (rendered: generated steps' renderings by id, from compile_ahead)."""
     out = buffer_of(step.target) if step.kind == "assign" else buffer_of(step.node)
     if step.kind == "matmul":
         _record_matmul(rec, step.node, out, *[buffer_of(x) for x in step.node.src])
@@ -110,7 +116,7 @@ def record_step(rec, step, buffer_of):
     elif step.kind == "assign" and len(step.inputs) == 1 and step.inputs[0] is step.node:
         rec.copy(buffer_of(step.node), out, _nbytes(step.node))
     else:
-        k, groups = generated_kernel(rec.device, step)
+        k, groups = generated_kernel(rec.device, step, (rendered or {}).get(id(step)))
         rec.dispatch(k, [out] + [buffer_of(x) for x in step.inputs], groups)
 
 
@@ -216,13 +222,13 @@ class Program:
 
     def _record(self):
         dev = self.dev
-        compile_ahead(dev, self.steps)
+        rendered = compile_ahead(dev, self.steps)
         rec = Recording(dev, n_sets=len(self.steps) * 4 + 4, label=self.label)
         for t, st in zip(self.inputs, self.in_stage):
             if st is not None:
                 rec.copy(st, self.buffer_of(t), _nbytes(t))
         for s in self.steps:
-            record_step(rec, s, self.buffer_of)
+            record_step(rec, s, self.buffer_of, rendered)
         for o, st in zip(self.outputs, self.out_stage):
             if st is not None:
                 rec.copy(self.buffer_of(o), st, _nbytes(o))

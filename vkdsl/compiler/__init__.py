@@ -78,20 +78,23 @@ def coopmat_backend():
 
 
 def compile_glsl(name: str, source: str, defines: dict | None = None, coopmat: bool = False) -> bytes:
-    """SPIR-V for a GLSL source with defines: from memory, the bundle, the disk cache or the compiler
-    (coopmat: a kernel that needs a compiler with cooperative matrices)."""
-    mkey = (source, tuple(sorted((defines or {}).items())), os.environ.get("VKDSL_SPIRV_BUNDLE"))
+    """SPIR-V for a GLSL source with defines: from memory, $VKDSL_SPIRV_BUNDLE, the shipped bundle, the
+    disk cache or the compiler (coopmat: a kernel that needs a compiler with cooperative matrices)."""
+    mkey = _memo_key(source, defines)
     if mkey not in _memo:
         _memo[mkey] = _compile(name, source, defines, coopmat)
     return _memo[mkey]
+
+
+def _memo_key(source: str, defines: dict | None) -> tuple:
+    return source, tuple(sorted((defines or {}).items())), os.environ.get("VKDSL_SPIRV_BUNDLE")
 
 
 def prefetch(kernels) -> None:
     """Compile [(name, source, defines)] that are not yet in memory on all cores at once (a new
     program's kernels; the compilers are processes or release the GIL). Errors surface later,
     from compile_glsl, in program order."""
-    todo = [(n, s, d) for n, s, d in kernels
-            if (s, tuple(sorted((d or {}).items())), os.environ.get("VKDSL_SPIRV_BUNDLE")) not in _memo]
+    todo = [(n, s, d) for n, s, d in kernels if _memo_key(s, d) not in _memo]
     if len(todo) < 2 or backend() is None:
         return
     with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
