@@ -26,7 +26,7 @@ def _facts(dev) -> list[tuple]:
 
 def _choices(dev) -> list[tuple]:
     """The kernel each op family picks on this device, and the reason."""
-    from vkdsl.handwritten import default_variant, gpu_config, has_int64
+    from vkdsl.handwritten import GPU_FILL, default_variant, gpu_config, gpu_configs, has_int64
     from vkdsl.matmul import fp16_choice, plan_matmul
     from vkdsl.ops.quant.kernels import plan_qmatmul
     from vkdsl.precision import PrecisionError
@@ -40,10 +40,11 @@ def _choices(dev) -> list[tuple]:
     rows = [("kernels", "family", variant, why)]
     mm = plan_matmul(dev, M=512, N=512, K=512)
     if variant == "gpu":
-        c = gpu_config(dev)
+        c, fits = gpu_config(dev, 512, 512), "/".join(str(b["BM"]) for b in gpu_configs(dev))
         detail = (f"{c['BM']}x{c['BN']} block, {c['TM']}x{c['TN']} per thread, {c['LOCAL'][0] * c['LOCAL'][1]} threads: "
-                  f"the largest tile within {dev.limits.max_workgroup_invocations} invocations and "
-                  f"{dev.limits.max_shared_memory // 1024} KiB shared memory")
+                  f"of the blocks within {dev.limits.max_workgroup_invocations} invocations and "
+                  f"{dev.limits.max_shared_memory // 1024} KiB shared memory ({fits}), the largest that gives "
+                  f"{GPU_FILL} workgroups at this shape, else the smallest")
     elif "_lvp_t" in mm.name:
         detail = ("4-float texel-buffer loads (a vector gather on CPU drivers, where a storage load "
                   "is a loop over lanes), 16x32 per invocation")

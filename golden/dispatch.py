@@ -41,6 +41,7 @@ for _name, _fn in R.REDUCE.items():
 PHASE1.update({
     "where": _p1(lambda ins, p: R.where(*ins)),
     "matmul": _p1(lambda ins, p: R.matmul(ins[0], ins[1], p["ta"], p["tb"], p.get("batch", False))),
+    "matmul_block": _p1(lambda ins, p: R.matmul(ins[0], ins[1], p["ta"], p["tb"])),
     "matmul_f16in": _p1(lambda ins, p: R.matmul_f16in(ins[0], ins[1], p["ta"], p["tb"], p.get("batch", False))),
     "half": _p1(lambda ins, p: R.half(ins[0])),
     "permute": _p1(lambda ins, p: R.permute(ins[0], p["axes"])),

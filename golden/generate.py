@@ -27,8 +27,8 @@ if __package__ in (None, ""):
     __package__ = "golden"
     import golden  # noqa: F401
 
-from .cases import Case, N, all_cases
-from .cases_fp16 import cases as fp16_cases
+from .cases import Case, N
+from .cases_gpu import every_case
 from .dispatch import BACKWARD_OPS, evaluate
 from .store import DATA_ROOT, MANIFEST, data_dir, load_manifest
 
@@ -108,7 +108,7 @@ def generate(root: str | Path | None = None, version: int = VERSION, verbose: bo
     folder = data_dir(version, root)
     folder.mkdir(parents=True, exist_ok=True)
     entries, files = [], set()
-    for case in all_cases() + fp16_cases():
+    for case in every_case():
         if match is not None and match not in case.name:
             continue
         entry, arrays = build(case)

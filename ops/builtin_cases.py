@@ -8,8 +8,7 @@ import numpy as np
 
 from vkdsl.cases import Case
 from vkdsl.verify import REGISTRY
-from vkdsl_golden.cases import all_cases
-from vkdsl_golden.cases_fp16 import cases as fp16_cases
+from vkdsl_golden.cases_gpu import every_case
 from vkdsl_golden.dispatch import GRAD_INPUTS, evaluate
 
 
@@ -46,7 +45,7 @@ def _case(g) -> Case:
 
 def cases() -> list[Case]:
     """Every built-in case, in the installed manifest's order."""
-    return [_case(g) for g in all_cases() + fp16_cases()]
+    return [_case(g) for g in every_case()]
 
 
 CASES = cases

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import vkdsl.matmul as mm
-from vkdsl.handwritten import PushLayout
+from vkdsl.handwritten import PushLayout, gpu_block
 from vkdsl.matmul import PUSH, plan_matmul, record_matmul
 from vkdsl.runtime import Buffer, Recording
 
@@ -169,3 +169,14 @@ def test_empty_and_k0(dev):
     assert plan_matmul(dev, M=0, N=5, K=3).groups == (0, 0, 0)
     got, ref, mag, p = run(dev, 5, 6, 0)             # K = 0: C is all zeros
     assert np.all(got == 0)
+
+
+@pytest.mark.parametrize("block", [128, 64, 32])
+@pytest.mark.parametrize("form", FORMS + [(True, True)], ids=lambda f: FORM_ID.get(f, "tt"))
+def test_every_gpu_block(dev, form, block):
+    # each block of the shared-memory kernel (the shape rule alone picks 32 on shapes this small),
+    # batched, with edges cut in both directions
+    with gpu_block(block):
+        got, ref, mag, p = run(dev, 133, 70, 45, *form, variant="gpu", batch=2, seed=block)
+    assert p.name.endswith(f"_gpu{block}") and p.groups == (-(-70 // block), -(-133 // block), 2)
+    assert_close(got, ref, mag, 45, p.name)

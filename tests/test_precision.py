@@ -109,7 +109,7 @@ def test_precision_names_are_checked_in_one_line():
 def test_lavapipe_takes_the_fp16_tiles_and_says_why():
     variant, why = fp16_choice(default_device())
     assert variant == "gpu16" and "no VK_KHR_cooperative_matrix" in why
-    assert plan_matmul(default_device(), M=8, N=8, K=8, precision="fp16").name == "matmul_nn_gpu16_128"
+    assert plan_matmul(default_device(), M=8, N=8, K=8, precision="fp16").name == "matmul_nn_gpu16_32"
     with pytest.raises(PrecisionError, match="variant lvp is fp32"):
         plan_matmul(default_device(), M=8, N=8, K=8, precision="fp16", variant="lvp")
     with pytest.raises(PrecisionError, match="variant gpu16 is fp16; ask for precision fp16"):

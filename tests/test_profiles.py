@@ -9,7 +9,7 @@ import types
 import pytest
 
 from fixtures.cli import run
-from vkdsl.handwritten import gpu_config
+from vkdsl.handwritten import gpu_block, gpu_config, gpu_configs
 from vkdsl.runtime import default_device
 from vkdsl.runtime.profiles import FEATURES, PROFILES, ProfileError, apply, named
 
@@ -30,6 +30,24 @@ def test_a_profile_only_narrows_the_device(name):
         else:
             assert b <= a and b <= p.limits.get(f.name, b), f.name
     assert seen.profile == name and "as profile " + name in seen.describe()
+
+
+def test_the_gpu_block_follows_the_shape():
+    """The largest block that still gives GPU_FILL workgroups, else the smallest: a 1024 x 576
+    product (a training step's projections) runs 64-blocks (144 workgroups, not 40), a square
+    4096 one 128-blocks, a rank-8 LoRA product 32-blocks; without a shape, the largest."""
+    seen = apply(default_device().info, named("nvidia"))
+    dev = types.SimpleNamespace(limits=seen.limits, info=seen)
+    assert [c["BM"] for c in gpu_configs(dev)] == [128, 64, 32]
+    picks = [gpu_config(dev, r, c, b)["BM"] for r, c, b in
+             [(1024, 576, 1), (4096, 4096, 1), (1024, 8, 1), (576, 8, 1), (1024, 1536, 1), (2048, 1536, 1), (64, 64, 32)]]
+    assert picks == [64, 128, 32, 32, 64, 128, 32]
+    assert gpu_config(dev)["BM"] == 128
+    with gpu_block(32):
+        assert gpu_config(dev, 4096, 4096)["BM"] == 32
+    with pytest.raises(ValueError, match="gpu block 256 does not fit"):
+        with gpu_block(256):
+            gpu_config(dev, 8, 8)
 
 
 def test_minimal_has_no_optional_feature_and_tiles_for_128_invocations():
@@ -60,11 +78,14 @@ def test_every_verify_row_passes_under_the_profile(name):
     summary = rows.pop()
     assert summary["failed"] == 0 and summary["rows"] == len(rows) > 200
     assert all(r["passed"] for r in rows)
-    # only the fp16-precision rows may be left out, and only where the profile has no fp16
+    # only the fp16-precision rows and the GPU blocks' may be left out, and only under minimal
+    # (no fp16, the lvp family): every GPU profile runs every block
     skipped = [r for r in rows if not r["applicable"]]
     fp16 = [r for r in rows if r["op"] in ("matmul_f16in", "qmatmul_f16in", "half")]
-    assert len(fp16) == 19
-    assert skipped == (fp16 if name == "minimal" else []) and summary["not_applicable"] == len(skipped)
+    blocks = [r for r in rows if r["op"] == "matmul_block"]
+    assert len(fp16) == 19 and len(blocks) == 9
+    assert sorted(r["name"] for r in skipped) == (sorted(r["name"] for r in fp16 + blocks) if name == "minimal" else [])
+    assert summary["not_applicable"] == len(skipped)
 
 
 def _doctor(*args):
@@ -73,7 +94,7 @@ def _doctor(*args):
 
 
 @pytest.mark.parametrize("name,family,matmul,fp16", [("minimal", "lvp", "matmul_nn_lvp_v4s4", "none"),
-                                                     ("nvidia", "gpu", "matmul_nn_gpu128", "matmul_nn_gpu16_128")])
+                                                     ("nvidia", "gpu", "matmul_nn_gpu32", "matmul_nn_gpu16_32")])
 def test_doctor_shows_the_kernels_the_profile_picks(name, family, matmul, fp16):
     report, rows = _doctor("--profile", name, "--no-bench")
     assert rows["family"]["value"] == family and rows["matmul 512^3"]["value"] == matmul

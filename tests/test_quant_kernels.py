@@ -16,6 +16,7 @@ from vkdsl_golden.reference_quant import NF4_CODEBOOK as NF4_PAPER
 from vkdsl.ops.quant.formats import NF4_MID
 from vkdsl.ops import quant as Q
 from vkdsl.compiler import kernel_source
+from vkdsl.handwritten import gpu_block
 from vkdsl.runtime import Buffer, Recording
 
 SENTINEL = np.float32(-12345.5)
@@ -251,3 +252,26 @@ def test_kquant_weights_are_packed_and_multiply_as_gguf_decodes(dev):
         got = W(vkdsl.tensor(x)).numpy()
         ref = x.astype(np.float64) @ w.astype(np.float64).T
         assert np.max(np.abs(got - ref)) <= 1e-5 * np.max(np.abs(ref)), fmt
+
+
+@pytest.mark.parametrize("block", [128, 64])        # 32: the shape rule's pick in test_qmatmul
+@pytest.mark.parametrize("form", ["nt", "nn"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_qmatmul_gpu_blocks(dev, fmt, form, block):
+    N, K, M = 160, 128, 133
+    qw, w = make_weight(fmt, N, K, seed=3)
+    red, cols = (K, N) if form == "nt" else (N, K)
+    x = np.random.default_rng(4).standard_normal((M, red)).astype(np.float32)
+    with gpu_block(block):
+        p = Q.plan_qmatmul(dev, fmt, M=M, N=N, K=K, form=form, variant="gpu")
+    assert p.name.endswith(f"_gpu{block}") and p.groups == (-(-cols // block), -(-M // block), 1)
+    X = Buffer(dev, x.nbytes)
+    X.write(x)
+    C = with_sentinel(dev, M * cols)
+    bufs = Q.upload_weight(dev, qw)
+    submit(dev, lambda rec: Q.record_qmatmul(rec, p, C, X, *bufs))
+    got = read_checked(C, M * cols, p.name).reshape(M, cols)
+    op = w.astype(np.float64).T if form == "nt" else w.astype(np.float64)
+    ref, mag = x.astype(np.float64) @ op, np.abs(x.astype(np.float64)) @ np.abs(op)
+    gamma = red * U32 / (1 - red * U32)
+    assert np.all(np.abs(got - ref) <= 2 * gamma * mag + 1e-30), f"{p.name}: {np.abs(got - ref).max():.3g}"

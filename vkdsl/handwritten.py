@@ -4,6 +4,8 @@ its GLSL block, a workgroup grid folded under the device's own limit, and the ch
 the CPU-driver (lvp) and GPU variants. The matmul here and the op library's kernels use it."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import re
 import struct
 
@@ -38,17 +40,55 @@ def widest(values, widths) -> int:
     return next(w for w in widths if all(v % w == 0 for v in values))
 
 
-def gpu_config(dev) -> dict:
-    """Block tile for the shared-memory kernels: 128x128 (8x8 per thread) where 256 threads and the
-    shared memory fit, else 64x64 (4x4), else 32x32 (4x4, 64 threads)."""
-    lim = dev.limits
-    for bm, bk, t in ((128, 8, 8), (64, 16, 4), (32, 16, 4)):
+# The shared-memory kernels' blocks, largest first: (rows = columns of C, BK, rows = columns per thread).
+GPU_BLOCKS = ((128, 8, 8), (64, 16, 4), (32, 16, 4))
+# Workgroups a grid should have before a larger block is worth it: a large GPU runs one block per
+# compute unit at a time (an H200 has 132), so a 1024 x 576 product in 128-blocks (40 of them)
+# leaves two thirds idle where 64-blocks (144) fill it. Small GPUs are full either way.
+GPU_FILL = 128
+_block = contextvars.ContextVar("gpu_block", default=0)
+
+
+def gpu_configs(dev) -> list[dict]:
+    """Every block of GPU_BLOCKS that fits the device: 256 threads or fewer within its workgroup
+    limits, both slices in its shared memory, a whole number of subgroups."""
+    lim, out = dev.limits, []
+    for bm, bk, t in GPU_BLOCKS:
         threads = (bm // t) ** 2
         shared = 2 * bk * (bm + 1) * 4
         if (threads <= lim.max_workgroup_invocations and bm // t <= min(lim.max_workgroup_size[:2])
                 and shared <= lim.max_shared_memory and threads % max(lim.subgroup_size, 1) == 0):
-            return dict(BM=bm, BN=bm, BK=bk, TM=t, TN=t, LOCAL=(bm // t, bm // t, 1))
-    raise RuntimeError(f"{dev.info.name}: no shared-memory tile fits the device limits")
+            out.append(dict(BM=bm, BN=bm, BK=bk, TM=t, TN=t, LOCAL=(bm // t, bm // t, 1)))
+    if not out:
+        raise RuntimeError(f"{dev.info.name}: no shared-memory tile fits the device limits")
+    return out
+
+
+@contextlib.contextmanager
+def gpu_block(rows: int):
+    """Inside, the shared-memory kernels use this block (128, 64 or 32) whatever the shape: verify's
+    rows reach every block the shape rule can pick on a device, and tests compare them."""
+    token = _block.set(int(rows))
+    try:
+        yield
+    finally:
+        _block.reset(token)
+
+
+def gpu_config(dev, rows: int = 0, cols: int = 0, batch: int = 1) -> dict:
+    """The block for a rows x cols output (times batch): the largest that fits the device and still
+    gives GPU_FILL workgroups, else the smallest that fits; without a shape, the largest. Inside
+    gpu_block(B), block B (refused, naming the device, where it does not fit)."""
+    cfgs = gpu_configs(dev)
+    if _block.get():
+        cfg = next((c for c in cfgs if c["BM"] == _block.get()), None)
+        if cfg is None:
+            raise ValueError(f"gpu block {_block.get()} does not fit {dev.info.name} "
+                             f"(fitting: {', '.join(str(c['BM']) for c in cfgs)})")
+        return cfg
+    if rows <= 0:
+        return cfgs[0]
+    return next((c for c in cfgs if -(-rows // c["BM"]) * -(-cols // c["BN"]) * batch >= GPU_FILL), cfgs[-1])
 
 
 def push_block_size(source: str) -> int:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from . import tuning
 from .compiler import coopmat_backend, compile_glsl, kernel_source
-from .handwritten import LVP_TILE, PushLayout, build_kernel, default_variant, gpu_config, lvp_widths, widest
+from .handwritten import (LVP_TILE, PushLayout, build_kernel, default_variant, gpu_block, gpu_config, gpu_configs,
+                          lvp_widths, widest)
 from .precision import PrecisionError, check
 
 # MatmulPush: M, N, K, stride_a, stride_b, stride_c (uint32 each; batch strides in elements).
@@ -113,14 +114,16 @@ def fp16_variants(dev) -> list[str]:
 
 
 def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
-                    stride_a: int, stride_b: int, stride_c: int, spans: tuple = (0, 0), tile: tuple | None = None):
+                    stride_a: int, stride_b: int, stride_c: int, spans: tuple = (0, 0), tile: tuple | None = None,
+                    batch: int = 1):
     """(kernel name, defines, local size, rows and columns per workgroup) of one variant; spans:
     the elements A and B reach over the batch (the texel-buffer limit applies to them); tile: lvp's
-    (rows, columns) per invocation (None: this device's tuning, else the default)."""
+    (rows, columns) per invocation (None: this device's tuning, else the default); the GPU variants'
+    block follows M x N x batch (handwritten.gpu_config)."""
     form = FORMS[(bool(ta), bool(tb))]
     base = {"TA": int(ta), "TB": int(tb)}
     if variant in ("gpu", "gpu16"):
-        cfg = gpu_config(dev)
+        cfg = gpu_config(dev, M, N, batch)
         d = dict(base, VARIANT_GPU=1, VEC=1, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], TM=cfg["TM"], TN=cfg["TN"])
         if variant == "gpu16":
             if not dev.limits.float16:
@@ -200,7 +203,7 @@ def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False
     variant = precision_variant(dev, precision, variant)
     last = max(batch - 1, 0)
     spans = (last * sa + M * K, last * sb + K * N)
-    name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc, spans, tile)
+    name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc, spans, tile, batch)
     push = PUSH.pack(M, N, K, sa, sb, sc)
     groups = (-(-N // bn), -(-M // bm), batch)
     if min(M, N, batch) == 0:
@@ -230,8 +233,11 @@ def builtin_variants(dev) -> list[str]:
     for ta, tb in FORMS:
         variants = [lvp_defines(ta, tb, vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
         variants += [lvp_defines(ta, tb, vec, sv, texel=True) for vec in (4, 1) for sv in (4, 1)]
-        variants.append(variant_defines(dev, "gpu", ta, tb, 1, 1, 1, 0, 0, 0))
-        variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in fp16_variants(dev)]
+        blocked = ["gpu"] + [v for v in fp16_variants(dev) if v == "gpu16"]       # coop has one block
+        for cfg in gpu_configs(dev):
+            with gpu_block(cfg["BM"]):
+                variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in blocked]
+        variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in fp16_variants(dev) if v == "coop"]
         for name, d, _, _, _ in variants:
             compile_glsl(name, kernel_source("matmul.comp"), d, coopmat="VARIANT_COOP" in d)
             names.append(name)

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from .handwritten import GPU_BLOCKS, default_variant, gpu_block, gpu_configs
 from .matmul import fp16_variants
 from .precision import matmul_precision
 from .tensor import Tensor
@@ -70,6 +71,23 @@ def _matmul(i, p):
 
 
 register("matmul", _matmul, *_ACCUM)
+
+
+def _matmul_block(i, p):
+    with gpu_block(p["block"]):
+        return _matmul(i, p)
+
+
+def blocks_unsupported(dev) -> str:
+    """Why this device runs no forced-block rows ('' when it runs them): the lvp family has no
+    shared-memory blocks; a GPU must fit every block the shape rule can pick."""
+    if default_variant(dev) != "gpu":
+        return "the lvp family runs no shared-memory blocks"
+    fits = [c["BM"] for c in gpu_configs(dev)]
+    return "" if len(fits) == len(GPU_BLOCKS) else f"only blocks {fits} fit this device"
+
+
+register("matmul_block", _matmul_block, *_ACCUM, blocks_unsupported)
 
 
 def _matmul_fp16(i, p):

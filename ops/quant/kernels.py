@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from vkdsl import tuning
 from vkdsl.compiler import compile_glsl, kernel_source
-from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, gpu_config, grid_for,
+from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, gpu_block, gpu_config, gpu_configs, grid_for,
                                lvp_widths, widest)
 from vkdsl.matmul import PUSH as MATMUL_PUSH
 from vkdsl.matmul import coop_config, fp16_variants, precision_variant, texel_fits
@@ -51,11 +51,12 @@ def qtile_fits(tile: tuple, form: str) -> bool:
 
 
 def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, texel: bool = False,
-                    tile: tuple = tuning.DEFAULT_TILE):
-    """(kernel name, defines, local size, rows and columns per workgroup) of a qmatmul variant."""
+                    tile: tuple = tuning.DEFAULT_TILE, rows: int = 0, cols: int = 0, batch: int = 1):
+    """(kernel name, defines, local size, rows and columns per workgroup) of a qmatmul variant; the
+    GPU variants' block follows the output's rows x cols x batch (handwritten.gpu_config)."""
     tb = int(form == "nt")
     if variant in ("gpu", "gpu16"):
-        cfg = gpu_config(dev)
+        cfg = gpu_config(dev, rows, cols, batch)
         d = dict(f.defines, TB=tb, VARIANT_GPU=1, VEC=1, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], TM=cfg["TM"],
                  TN=cfg["TN"])
         if variant == "gpu16":          # fp16 tiles: the dequantized weight is rounded to fp16 as it is staged
@@ -124,7 +125,7 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     elif not qtile_fits(tile, form):
         raise ValueError(f"qmatmul {form} tile {tile} does not fit the kernel")
     name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1, texel,
-                                                   tile)
+                                                   tile, rows, cols, batch)
     kernel = build_kernel(dev, "qmatmul.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, local,
                           coopmat=variant == "coop", texels=qtexel_bindings(f, defines))
     groups = (-(-cols // bn), -(-rows // bm), batch) if min(rows, batch) > 0 else (0, 0, 0)
@@ -210,7 +211,12 @@ def builtin_variants(dev) -> list[str]:
     jobs = []
     for f in FORMATS.values():
         for form in ("nt", "nn"):
-            variants = [qmatmul_variant(dev, f, form, v, 1, 1) for v in ["gpu"] + fp16_variants(dev)]
+            variants = []
+            for cfg in gpu_configs(dev):
+                with gpu_block(cfg["BM"]):
+                    variants += [qmatmul_variant(dev, f, form, v, 1, 1) for v in ["gpu"] + fp16_variants(dev)
+                                 if v != "coop"]
+            variants += [qmatmul_variant(dev, f, form, v, 1, 1) for v in fp16_variants(dev) if v == "coop"]
             variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
             variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv, True) for vec in (4, 1) for sv in (4, 1)]
             jobs += [("qmatmul.comp", name, d) for name, d, _, _, _ in variants]
