@@ -289,3 +289,11 @@ def test_a_run_resumes_only_at_its_own_precision(tmp_path):
     with matmul_precision("fp16"), pytest.raises(CheckpointError, match=r"refusing to resume: the matmul precision differs "
                                                                         r"from the run's \(precision 'fp32' then, 'fp16' now\)"):
         train(cfg16, tmp_path / "run", resume=tmp_path / "run", evidence_at_end=False)
+
+
+def test_a_variant_the_device_lacks_is_refused_for_the_quantized_matmul_too():
+    """The quantized matmul plans through the same GPU-variant builder as the matmul, so it refuses
+    what the device lacks in the same words (it used to fail inside with a TypeError)."""
+    from vkdsl.ops.quant import plan_qmatmul
+    with pytest.raises(PrecisionError, match="qmatmul variant coop needs VK_KHR_cooperative_matrix"):
+        plan_qmatmul(default_device(), "q4_1", M=8, N=64, K=64, variant="coop", precision="fp16")

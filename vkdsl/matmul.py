@@ -113,6 +113,30 @@ def fp16_variants(dev) -> list[str]:
         return []
 
 
+def gpu_variant(dev, variant: str, prefix: str, base: dict, rows: int = 0, cols: int = 0, batch: int = 1,
+                what: str = "matmul"):
+    """(kernel name, defines, local size, rows and columns per workgroup) of a GPU family's tiled
+    product — matmul.comp's and qmatmul.comp's alike: gpu (shared-memory fp32 tiles, the block
+    following rows x cols x batch), gpu16 (the same with fp16 tiles) or coop (cooperative matrices).
+    prefix names the kernel (matmul_nn, qmatmul_nt_q4_1), base holds its own defines."""
+    if variant in ("gpu", "gpu16"):
+        cfg = gpu_config(dev, rows, cols, batch)
+        d = dict(base, VARIANT_GPU=1, VEC=1, **{k: cfg[k] for k in ("BM", "BN", "BK", "TM", "TN")})
+        if variant == "gpu16":          # inputs (a quantized weight once dequantized) rounded as they are staged
+            if not dev.limits.float16:
+                raise PrecisionError(f"{what} variant gpu16 needs shaderFloat16, which {dev.info.describe()} lacks")
+            d["F16_TILES"] = 1
+            return f"{prefix}_gpu16_{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
+        return f"{prefix}_gpu{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
+    cfg = coop_config(dev)
+    if cfg is None:
+        raise PrecisionError(f"{what} variant coop needs VK_KHR_cooperative_matrix with an fp16 shape, "
+                             f"which {dev.info.describe()} lacks")
+    bm, bn = cfg["CM"] * cfg["WT"], cfg["CN"] * cfg["WT"]
+    d = dict(base, VARIANT_COOP=1, VEC=1, BM=bm, BN=bn, **{k: cfg[k] for k in ("CM", "CN", "CK", "WT", "BK")})
+    return f"{prefix}_coop{cfg['CM']}x{cfg['CN']}x{cfg['CK']}_{bm}", d, cfg["LOCAL"], bm, bn
+
+
 def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
                     stride_a: int, stride_b: int, stride_c: int, spans: tuple = (0, 0), tile: tuple | None = None,
                     batch: int = 1):
@@ -121,24 +145,8 @@ def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: in
     (rows, columns) per invocation (None: this device's tuning, else the default); the GPU variants'
     block follows M x N x batch (handwritten.gpu_config)."""
     form = FORMS[(bool(ta), bool(tb))]
-    base = {"TA": int(ta), "TB": int(tb)}
-    if variant in ("gpu", "gpu16"):
-        cfg = gpu_config(dev, M, N, batch)
-        d = dict(base, VARIANT_GPU=1, VEC=1, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], TM=cfg["TM"], TN=cfg["TN"])
-        if variant == "gpu16":
-            if not dev.limits.float16:
-                raise PrecisionError(f"matmul variant gpu16 needs shaderFloat16, which {dev.info.describe()} lacks")
-            d["F16_TILES"] = 1
-            return f"matmul_{form}_gpu16_{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
-        return f"matmul_{form}_gpu{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
-    if variant == "coop":
-        cfg = coop_config(dev)
-        if cfg is None:
-            raise PrecisionError(f"matmul variant coop needs VK_KHR_cooperative_matrix with an fp16 shape, "
-                                 f"which {dev.info.describe()} lacks")
-        bm, bn = cfg["CM"] * cfg["WT"], cfg["CN"] * cfg["WT"]
-        d = dict(base, VARIANT_COOP=1, VEC=1, BM=bm, BN=bn, **{k: cfg[k] for k in ("CM", "CN", "CK", "WT", "BK")})
-        return f"matmul_{form}_coop{cfg['CM']}x{cfg['CN']}x{cfg['CK']}_{bm}", d, cfg["LOCAL"], bm, bn
+    if variant in ("gpu", "gpu16", "coop"):
+        return gpu_variant(dev, variant, f"matmul_{form}", {"TA": int(ta), "TB": int(tb)}, M, N, batch)
     if variant != "lvp":
         raise ValueError(f"unknown matmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
     # the contiguous dimension of each stored operand, and the batch strides, must be multiples of VEC

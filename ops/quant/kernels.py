@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from vkdsl import tuning
 from vkdsl.compiler import compile_glsl, kernel_source
-from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, gpu_block, gpu_config, gpu_configs, grid_for,
+from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, gpu_block, gpu_configs, grid_for,
                                lvp_widths, widest)
 from vkdsl.matmul import PUSH as MATMUL_PUSH
-from vkdsl.matmul import coop_config, fp16_variants, precision_variant, texel_fits
+from vkdsl.matmul import fp16_variants, gpu_variant, precision_variant, texel_fits
 
 from .formats import FORMATS, NF4_GROUP, Format, array_nbytes, check_shape, get_format
 
@@ -55,19 +55,9 @@ def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, 
     """(kernel name, defines, local size, rows and columns per workgroup) of a qmatmul variant; the
     GPU variants' block follows the output's rows x cols x batch (handwritten.gpu_config)."""
     tb = int(form == "nt")
-    if variant in ("gpu", "gpu16"):
-        cfg = gpu_config(dev, rows, cols, batch)
-        d = dict(f.defines, TB=tb, VARIANT_GPU=1, VEC=1, BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], TM=cfg["TM"],
-                 TN=cfg["TN"])
-        if variant == "gpu16":          # fp16 tiles: the dequantized weight is rounded to fp16 as it is staged
-            d["F16_TILES"] = 1
-            return f"qmatmul_{form}_{f.name}_gpu16_{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
-        return f"qmatmul_{form}_{f.name}_gpu{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
-    if variant == "coop":
-        c = coop_config(dev)
-        bm, bn = c["CM"] * c["WT"], c["CN"] * c["WT"]
-        d = dict(f.defines, TB=tb, VARIANT_COOP=1, VEC=1, BM=bm, BN=bn, **{k: c[k] for k in ("CM", "CN", "CK", "WT", "BK")})
-        return f"qmatmul_{form}_{f.name}_coop{c['CM']}x{c['CN']}x{c['CK']}_{bm}", d, c["LOCAL"], bm, bn
+    if variant in ("gpu", "gpu16", "coop"):
+        return gpu_variant(dev, variant, f"qmatmul_{form}_{f.name}", dict(f.defines, TB=tb), rows, cols, batch,
+                           "qmatmul")
     if variant != "lvp":
         raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
     tm, tn = tile
