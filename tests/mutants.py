@@ -284,6 +284,8 @@ MUTANTS = [
     Mutant("forced_gpu_block_ignored", "vkdsl/handwritten.py", "    if _block.get():\n", "    if False:\n",
            ("tests/test_matmul_kernels.py", "-k", "every_gpu_block"),
            "verify's block rows run whatever block the shape picks, so some blocks are never checked"),
+    Mutant("attention_rescale_skipped", "vkdsl/kernels/attention.comp", "if (corr[t] != 1.0) {", "if (corr[t] < 0.0) {",
+           ("tests/test_attention.py",), "the fused forward never rescales its sums when a later key raises the max"),
     Mutant("pipeline_cache_uuid_unchecked", "vkdsl/runtime/pipeline_cache.py",
            "head[1:] != (1, vendor, device, uuid)", "head[1:3] != (1, vendor)",
            ("tests/test_runtime.py", "-k", "pipeline_cache"),

@@ -64,8 +64,14 @@ void main() {
         }
         vec4 vj[D4];
         [[unroll]] for (int d = 0; d < D4 / 2; d++) unpack8(v_in[kbase / 2 + d], vj[2 * d], vj[2 * d + 1]);
-        [[unroll]] for (int d = 0; d < D4; d++) {
-            [[unroll]] for (int t = 0; t < G; t++) o[t][d] = o[t][d] * corr[t] + p[t] * vj[d];
+        // rescale only when the running max moved (corr != 1): after the first keys that is rare,
+        // and a branch no lane of a SIMD group takes is skipped; o * 1 is exact, so this is bit for
+        // bit the unconditional o * corr + p * v
+        [[unroll]] for (int t = 0; t < G; t++) {
+            if (corr[t] != 1.0) {
+                [[unroll]] for (int d = 0; d < D4; d++) o[t][d] *= corr[t];
+            }
+            [[unroll]] for (int d = 0; d < D4; d++) o[t][d] += p[t] * vj[d];
         }
     }
     if (live) {
