@@ -219,10 +219,38 @@ def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5, composed=True):
     return best
 
 
+def bench_kernels(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5) -> dict:
+    """Seconds of each fused kernel of one causal forward + backward (forward, stats, dq, dkv), each
+    dispatch timed alone, best of `reps`."""
+    import numpy as np
+
+    import vkdsl
+    from vkdsl.bench import time_steps
+    rng = np.random.default_rng(0)
+    q, k, v = (vkdsl.tensor(rng.standard_normal(s, dtype=np.float32), requires_grad=True)
+               for s in ((B, T, Hq, D), (B, T, Hkv, D), (B, T, Hkv, D)))
+    g = rng.standard_normal((B, T, Hq, D), dtype=np.float32)
+
+    @vkdsl.trace
+    def step(up):
+        return grad((attention(q, k, v) * up).sum(), [q, k, v])
+    step(g)
+    best = {}
+    for _ in range(reps):
+        for s, dt in time_steps(step.program(g)):
+            if s.kind == "custom":
+                best[s.node.arg.name] = min(best.get(s.node.arg.name, float("inf")), dt)
+    return best
+
+
 if __name__ == "__main__":
-    # python -m vkdsl.ops.attention [B T Hq Hkv D] [--fused-only]
+    # python -m vkdsl.ops.attention [B T Hq Hkv D] [--fused-only | --by-kernel]
     import sys
     dims = [int(a) for a in sys.argv[1:6] if a.isdigit()] or [4, 256, 9, 3, 64]
+    if "--by-kernel" in sys.argv:
+        for name, secs in bench_kernels(*dims).items():
+            print(f"{name:32s} {secs * 1e3:8.2f} ms")
+        sys.exit(0)
     both = "--fused-only" not in sys.argv
     best = bench(*dims, reps=5 if both else 2, composed=both)
     B, T, Hq, Hkv, D = dims
