@@ -66,7 +66,7 @@ def run_targets(targets: list[Target], argv: list[str]) -> list[Target]:
             if obj.get("summary"):
                 t.times = obj
             elif isinstance(obj, dict) and "name" in obj:
-                t.rows.append(Row(**obj))
+                t.rows.append(Row.from_dict(obj))
         if p.returncode not in (0, 1) or not t.times:
             lines = p.stderr.strip().splitlines() or ["no output"]
             said = next((ln.removeprefix("Error: ") for ln in lines if ln.startswith("Error: ")), lines[-1])

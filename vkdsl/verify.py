@@ -11,6 +11,7 @@ where the reference is finite fails the row whatever the NMSE. A case may measur
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -187,4 +188,14 @@ class Row:
     seconds: float = 0.0        # the row's share of its case's time on the device
 
     def as_dict(self):
-        return dataclasses.asdict(self)
+        """The row as strict JSON takes it: an error that is not a number (a row not run, a failed
+        kernel) is null, never NaN or Infinity, which JSON has no literal for."""
+        d = dataclasses.asdict(self)
+        d["error"] = d["error"] if math.isfinite(d["error"]) else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Row":
+        """as_dict's inverse: a null error is +inf on a row that ran and failed, NaN on one not run."""
+        err = d["error"] if d["error"] is not None else (math.inf if d.get("applicable", True) else math.nan)
+        return cls(**{**d, "error": err})
