@@ -67,7 +67,8 @@ def gpu_configs(dev) -> list[dict]:
 @contextlib.contextmanager
 def gpu_block(rows: int):
     """Inside, the shared-memory kernels use this block (128, 64 or 32) whatever the shape: verify's
-    rows reach every block the shape rule can pick on a device, and tests compare them."""
+    rows reach every block the shape rule can pick on a device, and tests compare them. It acts
+    where a product is planned — when its program is built — so realize lazy tensors inside."""
     token = _block.set(int(rows))
     try:
         yield
