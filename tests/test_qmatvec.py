@@ -10,9 +10,14 @@ from vkdsl.ops import quant
 from vkdsl.runtime import Buffer, Recording
 
 
+@pytest.mark.parametrize("loads", ["texel", "storage"])
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q8_0", "f16", "q4_k", "q5_k", "q6_k", "int4", "nf4"])
 @pytest.mark.parametrize("M", [1, 3, 4])
-def test_qmatvec(dev, fmt, M):
+def test_qmatvec(dev, fmt, M, loads, monkeypatch):
+    # the weight as uniform texel buffers (lavapipe's choice) or as storage buffers (GPUs', and a
+    # weight past maxTexelBufferElements)
+    if loads == "storage":
+        monkeypatch.setattr(quant.kernels, "texel_fits", lambda *a: False)
     rng = np.random.default_rng(M)
     N, K = 70, (256 if fmt.endswith("_k") else 128)
     w = rng.standard_normal((N, K)).astype(np.float32)
@@ -32,7 +37,7 @@ def test_qmatvec(dev, fmt, M):
     X.write(x)
     C.write(np.full(M * N + 16, 7.0, np.float32))          # sentinels past the output
     plan = quant.plan_qmatmul(dev, fmt, M=M, N=N, K=K, variant="lvp")
-    assert plan.name.startswith("qmatvec")
+    assert plan.name.startswith("qmatvec") and plan.name.endswith("_t") == (loads == "texel")
     rec = Recording(dev, 2)
     quant.record_qmatmul(rec, plan, C, X, *quant.upload_weight(dev, qw))
     rec.submit_wait()

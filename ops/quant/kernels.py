@@ -74,11 +74,18 @@ WORD_FORMATS = {1: "r32ui", 2: "rg32ui", 4: "rgba32ui"}
 
 
 def qtexel_bindings(f: Format, defines: dict) -> dict:
-    """binding -> texel format of a TEXEL qmatmul: X (1), then the weight's arrays (2...)."""
-    if not defines.get("TEXEL"):
-        return {}
-    return {1: "rgba32f" if defines["VEC"] == 4 else "r32f",
-            **{2 + i: WORD_FORMATS[w] for i, w in enumerate(f.words)}}
+    """binding -> texel format: X (1) with TEXEL, the weight's arrays (2...) with QTEXEL."""
+    out = {1: "rgba32f" if defines["VEC"] == 4 else "r32f"} if defines.get("TEXEL") else {}
+    if defines.get("QTEXEL"):
+        out.update({2 + i: WORD_FORMATS[w] for i, w in enumerate(f.words)})
+    return out
+
+
+def qmatvec_variant(f: Format, texel: bool) -> tuple[str, dict]:
+    """(name, defines) of the few-row kernel; texel: its weight read as uniform texel buffers (a
+    vector gather on CPU drivers; X stays a storage buffer, its loads are uniform there)."""
+    d = dict(f.defines, MV_ROWS=MV_ROWS, **({"QTEXEL": 1} if texel else {}))
+    return f"qmatvec_{f.name}" + ("_t" if texel else ""), d
 
 
 def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: int = 1,
@@ -98,15 +105,15 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     sx = rows * red if batch_stride_x is None else int(batch_stride_x)
     sc = rows * cols
     variant = precision_variant(dev, precision, variant, "qmatmul")
+    words = [n // (4 * w) for n, w in zip(array_nbytes(f.name, N, K), f.words)]
     if form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0:
         # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
-        name = f"qmatvec_{f.name}"
-        kernel = build_kernel(dev, "qmatvec.comp", name, dict(f.defines, MV_ROWS=MV_ROWS), 2 + len(f.arrays),
-                              MATMUL_PUSH, (MV_LOCAL, 1, 1))
+        name, defines = qmatvec_variant(f, texel_fits(dev, *words))
+        kernel = build_kernel(dev, "qmatvec.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, (MV_LOCAL, 1, 1),
+                              texels=qtexel_bindings(f, defines))
         return QuantPlan(name=name, kernel=kernel, groups=grid_for(dev, -(-N // 4), MV_LOCAL), push=MATMUL_PUSH.pack(M, N, K, 0, 0, 0),
                          fmt=f.name, N=N, K=K, bytes_x=4 * M * K, bytes_c=4 * M * N, flops=2 * M * N * K)
     last = max(batch - 1, 0)
-    words = [n // (4 * w) for n, w in zip(array_nbytes(f.name, N, K), f.words)]
     texel = variant == "lvp" and texel_fits(dev, last * sx + rows * red, *words)
     vec = widest([red, sx], (4, 1) if texel else lvp_widths(dev))
     if variant != "lvp" or tile is None:
@@ -210,6 +217,7 @@ def builtin_variants(dev) -> list[str]:
             variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
             variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv, True) for vec in (4, 1) for sv in (4, 1)]
             jobs += [("qmatmul.comp", name, d) for name, d, _, _, _ in variants]
+        jobs += [("qmatvec.comp", *qmatvec_variant(f, texel)) for texel in (False, True)]
         jobs.append(("quant_dequant.comp", f"dequant_{f.name}", f.defines))
     jobs += [("quant_pack_int4.comp", "quantize_int4", {"INT4_F16": 0}),
              ("quant_pack_int4.comp", "quantize_int4_f16", {"INT4_F16": 1}),
