@@ -189,12 +189,9 @@ def builtin_variants(dev) -> list[str]:
     return names
 
 
-def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5, composed=True):
-    """Seconds of one forward + backward (dq, dk, dv) of causal attention, fused and composed, each
-    the best of `reps` replays of its own traced program, alternating so both see the same load
-    (composed=False: the fused kernels alone, for lengths whose T x T scores would not fit)."""
-    import time
-
+def _traced_steps(B, T, Hq, Hkv, D, fns) -> tuple[dict, object]:
+    """({name: a traced causal forward + backward (dq, dk, dv) of fn, run once}, the upstream
+    gradient it takes), on the same random q, k, v."""
     import numpy as np
 
     import vkdsl
@@ -202,7 +199,7 @@ def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5, composed=True):
     arrays = [rng.standard_normal(s, dtype=np.float32) for s in ((B, T, Hq, D), (B, T, Hkv, D), (B, T, Hkv, D))]
     g = rng.standard_normal((B, T, Hq, D), dtype=np.float32)
     steps = {}
-    for name, fn in (("fused", attention), ("composed", attention_composed))[:2 if composed else 1]:
+    for name, fn in fns:
         q, k, v = (vkdsl.tensor(a, requires_grad=True) for a in arrays)
 
         @vkdsl.trace
@@ -210,6 +207,16 @@ def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5, composed=True):
             return grad((fn(q, k, v) * up).sum(), [q, k, v])
         step(g)
         steps[name] = step
+    return steps, g
+
+
+def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5, composed=True):
+    """Seconds of one forward + backward (dq, dk, dv) of causal attention, fused and composed, each
+    the best of `reps` replays of its own traced program, alternating so both see the same load
+    (composed=False: the fused kernels alone, for lengths whose T x T scores would not fit)."""
+    import time
+    fns = (("fused", attention), ("composed", attention_composed))[:2 if composed else 1]
+    steps, g = _traced_steps(B, T, Hq, Hkv, D, fns)
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(reps):
         for name, step in steps.items():
@@ -222,22 +229,11 @@ def bench(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5, composed=True):
 def bench_kernels(B=4, T=256, Hq=9, Hkv=3, D=64, reps=5) -> dict:
     """Seconds of each fused kernel of one causal forward + backward (forward, stats, dq, dkv), each
     dispatch timed alone, best of `reps`."""
-    import numpy as np
-
-    import vkdsl
     from vkdsl.bench import time_steps
-    rng = np.random.default_rng(0)
-    q, k, v = (vkdsl.tensor(rng.standard_normal(s, dtype=np.float32), requires_grad=True)
-               for s in ((B, T, Hq, D), (B, T, Hkv, D), (B, T, Hkv, D)))
-    g = rng.standard_normal((B, T, Hq, D), dtype=np.float32)
-
-    @vkdsl.trace
-    def step(up):
-        return grad((attention(q, k, v) * up).sum(), [q, k, v])
-    step(g)
+    steps, g = _traced_steps(B, T, Hq, Hkv, D, [("fused", attention)])
     best = {}
     for _ in range(reps):
-        for s, dt in time_steps(step.program(g)):
+        for s, dt in time_steps(steps["fused"].program(g)):
             if s.kind == "custom":
                 best[s.node.arg.name] = min(best.get(s.node.arg.name, float("inf")), dt)
     return best

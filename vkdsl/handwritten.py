@@ -76,6 +76,13 @@ def gpu_block(rows: int):
         _block.reset(token)
 
 
+def each_gpu_block(dev):
+    """Every block that fits the device, the loop's body inside its gpu_block (bundles list them all)."""
+    for cfg in gpu_configs(dev):
+        with gpu_block(cfg["BM"]):
+            yield cfg
+
+
 def gpu_config(dev, rows: int = 0, cols: int = 0, batch: int = 1) -> dict:
     """The block for a rows x cols output (times batch): the largest that fits the device and still
     gives GPU_FILL workgroups, else the smallest that fits; without a shape, the largest. Inside

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from . import tuning
 from .compiler import coopmat_backend, compile_glsl, kernel_source
-from .handwritten import (LVP_TILE, PushLayout, build_kernel, default_variant, gpu_block, gpu_config, gpu_configs,
+from .handwritten import (LVP_TILE, PushLayout, build_kernel, default_variant, each_gpu_block, gpu_config,
                           lvp_widths, widest)
 from .precision import PrecisionError, check
 
@@ -242,9 +242,8 @@ def builtin_variants(dev) -> list[str]:
         variants = [lvp_defines(ta, tb, vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
         variants += [lvp_defines(ta, tb, vec, sv, texel=True) for vec in (4, 1) for sv in (4, 1)]
         blocked = ["gpu"] + [v for v in fp16_variants(dev) if v == "gpu16"]       # coop has one block
-        for cfg in gpu_configs(dev):
-            with gpu_block(cfg["BM"]):
-                variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in blocked]
+        for _ in each_gpu_block(dev):
+            variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in blocked]
         variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in fp16_variants(dev) if v == "coop"]
         for name, d, _, _, _ in variants:
             compile_glsl(name, kernel_source("matmul.comp"), d, coopmat="VARIANT_COOP" in d)

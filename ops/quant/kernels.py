@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from vkdsl import tuning
 from vkdsl.compiler import compile_glsl, kernel_source
-from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, gpu_block, gpu_configs, grid_for,
+from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, each_gpu_block, grid_for,
                                lvp_widths, widest)
 from vkdsl.matmul import PUSH as MATMUL_PUSH
 from vkdsl.matmul import fp16_variants, gpu_variant, precision_variant, texel_fits
@@ -209,10 +209,9 @@ def builtin_variants(dev) -> list[str]:
     for f in FORMATS.values():
         for form in ("nt", "nn"):
             variants = []
-            for cfg in gpu_configs(dev):
-                with gpu_block(cfg["BM"]):
-                    variants += [qmatmul_variant(dev, f, form, v, 1, 1) for v in ["gpu"] + fp16_variants(dev)
-                                 if v != "coop"]
+            for _ in each_gpu_block(dev):
+                variants += [qmatmul_variant(dev, f, form, v, 1, 1) for v in ["gpu"] + fp16_variants(dev)
+                             if v != "coop"]
             variants += [qmatmul_variant(dev, f, form, v, 1, 1) for v in fp16_variants(dev) if v == "coop"]
             variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
             variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv, True) for vec in (4, 1) for sv in (4, 1)]
