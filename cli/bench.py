@@ -28,6 +28,9 @@ BENCHES = {
                             help="time per kernel class of one step (each dispatch alone), GFLOP/s, share"),
                click.Option(["--checkpoint"], default="none", show_default=True, metavar="none|layers|every:K",
                             help="activation checkpointing of the SFT rows (vkdsl-train --checkpoint)"),
+               click.Option(["--activations"], type=click.Choice(["fp32", "fp16"]), default="fp32",
+                            show_default=True, help="storage of what the SFT rows' backward keeps "
+                                                    "(vkdsl-train --activations)"),
                click.Option(["--plan"], is_flag=True,
                             help="the SFT rows' device bytes, planned from the traced step: nothing runs"),
                click.Option(["--shape"], default="4x256", show_default=True, metavar="ROWSxTOKENS",
@@ -55,7 +58,7 @@ def _arguments(name, kw):
         return (kw["model_path"],)
     if name == "train":
         return (kw["objective"], kw["model_path"], kw["by_kernel"], kw["checkpoint"], kw["plan"], kw["shape"],
-                kw["targets"], kw["steps"], kw["lr"])
+                kw["targets"], kw["steps"], kw["lr"], kw["activations"])
     if name == "parallel":
         return (kw["steps"],)
     return ()

@@ -209,3 +209,70 @@ def test_bench_train_plans_the_steps_without_running_them():
         assert all(r["weights_bytes"] > 0 and r["plan_total_bytes"] > r["plan_temporaries_bytes"] > 0 for r in rows)
         plans[c] = [r["plan_temporaries_bytes"] for r in rows]
     assert all(b < a / 2 for a, b in zip(plans["none"], plans["layers"])), plans
+
+
+# ---- fp16 saved activations (vkdsl.autograd.saved_activations, TrainConfig.activations) ----
+
+def _mlp_grads(X, W1, W2, dtype):
+    """loss = sum((tanh(X W1) W2)^2) and its gradients in W1, W2, kept activations in `dtype`."""
+    from vkdsl.autograd import saved_activations
+    w1, w2 = vkdsl.tensor(W1, requires_grad=True), vkdsl.tensor(W2, requires_grad=True)
+
+    def step(x):
+        y = (x @ w1).tanh() @ w2
+        loss = (y * y).sum()
+        with saved_activations(dtype):
+            return [loss] + grad(loss, [w1, w2])
+    return [np.asarray(o) for o in vkdsl.trace(step)(X)]
+
+
+def test_fp16_saved_activations_are_the_gradients_at_the_fp16_rounded_values(rng):
+    """Against float64 numpy: the forward is unchanged (fp32 values), and the backward reads h =
+    tanh(X W1) and y = h W2 rounded to fp16 -- d W2 = h16^T 2 y16, d W1 = X^T ((2 y16 W2^T) (1 - h16^2)).
+    The fp32 path is farther from that reference than the tolerance: the rounding is real."""
+    X, W1, W2 = f32(rng, 64, 32), f32(rng, 32, 48, scale=0.3), f32(rng, 48, 16, scale=0.3)
+    X64, W164, W264 = (a.astype(np.float64) for a in (X, W1, W2))
+    h = np.tanh(X64 @ W164)
+    y = h @ W264
+    r16 = lambda a: a.astype(np.float32).astype(np.float16).astype(np.float64)     # noqa: E731
+    h16, gy = r16(h), 2 * r16(y)
+    ref = [np.sum(y * y), X64.T @ ((gy @ W264.T) * (1 - h16 * h16)), h16.T @ gy]
+    half, full = _mlp_grads(X, W1, W2, "float16"), _mlp_grads(X, W1, W2, "float32")
+    assert float(half[0]) == float(full[0])                     # the forward is not touched
+    np.testing.assert_allclose(half[0], ref[0], rtol=1e-5)
+    for got, fp32, want in zip(half[1:], full[1:], ref[1:]):
+        err = lambda a: np.abs(a - want).max() / np.abs(want).max()     # noqa: E731
+        assert err(got) < 2e-5, err(got)
+        assert err(fp32) > 5 * err(got), (err(fp32), err(got))
+
+
+def test_fp16_saved_activations_halve_what_the_tiny_models_step_keeps(tiny_model):
+    """The trainer's SFT step on the tiny Llama, activations fp16 vs fp32: the same losses (the
+    forward is unchanged), adapter gradients within 1% of the fp32 step's, and the kept values
+    stored in half the bytes -- the program holds less, and building it allocates what the plan said.
+    (The values alive at the step's peak fall by 28% here; the program's buffers by less, since a
+    freed slot is reused only by a value of its exact size. SmolLM2 at 4 x 256: BENCHMARKS.md.)"""
+    from vkdsl.train.step import build_grad_fn, select
+    m, params = tiny_model
+    ids, lab = batch(B=8, T=64, seed=3)
+    pos, sl = select(lab)
+    args = [ids, pos, sl, np.array([1.0 / int((lab != -100).sum())], np.float32)]
+    outs, planned = {}, {}
+    for act in ("fp32", "fp16"):
+        fn = build_grad_fn(m, params, 0.5, activations=act)
+        planned[act] = fn.plan(*args)["temporaries"]
+        _, used = _program_bytes(lambda *a, fn=fn: fn.fn(*a), *args)
+        assert used == pytest.approx(fn.plan(*args)["total"], rel=0.01)
+        outs[act] = [np.asarray(o) for o in fn(*args)]
+    assert planned["fp16"] < 0.95 * planned["fp32"], planned
+    for a, b in zip(outs["fp32"][:2], outs["fp16"][:2]):
+        assert float(a) == float(b)
+    for a, b in zip(outs["fp32"][2:], outs["fp16"][2:]):
+        assert np.abs(b - a).max() <= 1e-2 * np.abs(a).max()
+
+
+def test_the_activations_setting_is_checked():
+    from vkdsl.train.config import ConfigError, TrainConfig
+    assert TrainConfig(activations="fp16").validate().activations == "fp16"
+    with pytest.raises(ConfigError, match="activations 'bf16': expected fp32 or fp16"):
+        TrainConfig(activations="bf16").validate()

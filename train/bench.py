@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+import vkdsl
 from vkdsl.models import load_model_files
 from vkdsl.models.bench import numpy_forward
 from vkdsl.models.default import default_model_path
@@ -94,7 +95,7 @@ TARGETS = {"q,v": ("attn_q", "attn_v"), "all seven": ALL}
 
 
 def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=tuple(TARGETS), steps=0,
-              lr=1e-4, modules=TARGETS):
+              lr=1e-4, modules=TARGETS, activations="fp32"):
     T = min(T, model.cfg.context_length)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
@@ -103,9 +104,9 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
     for name, mods in ((n, modules[n]) for n in targets):
         dev = default_device()
         dev.peak_bytes = dev.allocated_bytes            # each case reports its own peak
-        st, params = sft_stepper(model, mods, checkpoint=checkpoint)
-        case = f"sft {B}x{T}, adapters on {name} (trainer step" + ("" if checkpoint == "none" else
-                                                                    f", checkpoint {checkpoint}") + ")"
+        st, params = sft_stepper(model, mods, checkpoint=checkpoint, activations=activations)
+        case = (f"sft {B}x{T}, adapters on {name} (trainer step" + ("" if checkpoint == "none" else
+                f", checkpoint {checkpoint}") + ("" if activations == "fp32" else f", activations {activations}") + ")")
         args = (ids.astype(np.int32), *_select_args(labels))
         planned = st.fn.plan(*args)         # traced and scheduled, nothing allocated
         if plan_only:
@@ -113,6 +114,7 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
                          **{f"plan_{k}_bytes": v for k, v in planned.items()}})
             _free(model, st.fn, st.fn_packed)
             continue
+        against = {} if activations == "fp32" else fp32_gradients_vs(model, params, st, args)
         try:
             t, recs = time_stepper(model, st, params, [(ids, labels)], reps=steps or (2 if B * T <= 2048 else 1),
                                    lr=lr)
@@ -127,7 +129,7 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
                      "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
                      "losses": " ".join(f"{r['loss']:.4f}" for r in recs), "program_bytes": prog_bytes,
                      "plan_bytes": plan_bytes, "plan_vs_program": plan_bytes / prog_bytes,
-                     "device_peak_bytes": dev.peak_bytes})
+                     "device_peak_bytes": dev.peak_bytes, **against})
         prog.release()
         del prog
         _free(model, st.fn, st.fn_packed)
@@ -139,6 +141,29 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
     npt = time.perf_counter() - t0
     rows.append({"case": f"numpy fp32 forward only, {B}x{T}", "step_s": npt, "tokens_per_s": B * T / npt})
     return rows
+
+
+def fp32_gradients_vs(model, params, st, args) -> dict:
+    """The step's loss and adapter gradients at the initial adapters (B perturbed off zero, so every
+    path carries a gradient), from st's program and from the same step keeping fp32 activations:
+    the relative L2 distance of the whole gradient, the largest of any one tensor, the losses."""
+    from .step import build_grad_fn
+    rng = np.random.default_rng(1)
+    for p in params:
+        if not np.any(p.numpy()):
+            p.assign(vkdsl.tensor(rng.normal(0, 0.02, p.shape).astype(np.float32)))
+    ref = build_grad_fn(model, params, st.cfg.tmkl, checkpoint=st.cfg.checkpoint_layers)
+    outs = {}
+    for name, fn in (("fp32", ref), ("kept", st.fn)):
+        outs[name] = [np.asarray(o, np.float64) for o in fn(*args)]
+        if fn is ref:
+            fn.programs.clear()
+            gc.collect()
+    a, b = outs["fp32"][2:], outs["kept"][2:]
+    dist = lambda x, y: float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30))      # noqa: E731
+    return {"loss_fp32_activations": float(outs["fp32"][0]), "loss_this": float(outs["kept"][0]),
+            "grad_rel_l2_vs_fp32": dist(np.concatenate([g.ravel() for g in a]), np.concatenate([g.ravel() for g in b])),
+            "grad_worst_tensor_vs_fp32": max(dist(x, y) for x, y in zip(a, b))}
 
 
 def _select_args(labels):
@@ -240,10 +265,10 @@ def parse_targets(targets: str) -> tuple[str, ...]:
 
 
 def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False, shape="4x256",
-                targets="qv,all", steps=0, lr=1e-4):
+                targets="qv,all", steps=0, lr=1e-4, activations="fp32"):
     """The rows of `vkdsl bench train`; plan_only: each SFT case's planned device bytes (weights, the
     step program's inputs, outputs, temporaries after reuse, staging), nothing run or allocated."""
-    TrainConfig(checkpoint=checkpoint).validate()          # a bad value is one line before any work
+    TrainConfig(checkpoint=checkpoint, activations=activations).validate()   # a bad value: one line, no work
     (B, T), picked = parse_shape(shape), parse_targets(targets)
     ck, tok = load_model_files(path or default_model_path())
     model = build_model(ck)
@@ -252,10 +277,12 @@ def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False, 
     if objective == "dpo":
         return bench_dpo(model)
     if plan_only:
-        return bench_sft(model, None, B, T, checkpoint, plan_only=True, targets=picked, modules=modules)
+        return bench_sft(model, None, B, T, checkpoint, plan_only=True, targets=picked, modules=modules,
+                         activations=activations)
     w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()} if T <= 512 and not hybrid else None
-    rows = bench_sft(model, w, B, T, checkpoint, targets=picked, steps=steps, lr=lr, modules=modules)
-    if path or checkpoint != "none" or (B, T) != (4, 256) or picked != tuple(TARGETS) or steps:
+    rows = bench_sft(model, w, B, T, checkpoint, targets=picked, steps=steps, lr=lr, modules=modules,
+                     activations=activations)
+    if path or checkpoint != "none" or activations != "fp32" or (B, T) != (4, 256) or picked != tuple(TARGETS) or steps:
         return rows                     # the default job: its own model, settings and shapes
     del model
     gc.collect()

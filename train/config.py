@@ -52,6 +52,7 @@ class TrainConfig:
     tmkl_cache_bytes: int = 1 << 30                  # base logits kept for TMKL; 0 = a base forward every step
     prefix_cache_bytes: int = 1 << 30                # outputs of the layers below the first adapter; 0 = off
     checkpoint: str = "none"                         # activations in the backward: none (kept), layers, every:K
+    activations: str = "fp32"                        # what the backward keeps: fp32, or fp16 (16-bit storage)
     device_memory: str = ""                          # the plan's budget, e.g. 4G ("": the device's own)
     lr: float = 2e-3
     warmup: int = 2
@@ -125,6 +126,7 @@ class TrainConfig:
             (self.tmkl_cache_bytes >= 0, "tmkl_cache_bytes must be >= 0"),
             (self.prefix_cache_bytes >= 0, "prefix_cache_bytes must be >= 0"),
             (self.checkpoint_layers >= 0, "checkpoint must be none, layers or every:K with K >= 1"),
+            (self.activations in ("fp32", "fp16"), f"activations {self.activations!r}: expected fp32 or fp16"),
             (self._device_memory_ok(), f"device_memory {self.device_memory!r}: expected bytes with an optional "
                                        f"K/M/G suffix, e.g. 4G, or empty for the device's own budget"),
             (self.lr > 0, "lr must be > 0"),
@@ -230,6 +232,9 @@ HELP = {
     "checkpoint": "activation checkpointing: none keeps every layer's activations for the backward; layers "
                   "keeps each adapted layer's input and recomputes the layer in the backward; every:K keeps one "
                   "input in K layers (less memory, one more forward of the adapted layers per step)",
+    "activations": "storage of the activations kept for the backward: fp32, or fp16 (half the bytes, needs the "
+                   "device's 16-bit storage; arithmetic stays fp32, the gradients are those at the fp16-rounded "
+                   "activations: BENCHMARKS.md states the difference)",
     "device_memory": "the device-memory budget the run is planned against (train.memplan), e.g. 4G; a run over "
                      "it is refused before its first step with settings that fit; empty: the device's heap (or "
                      "$VKDSL_DEVICE_MEMORY_LIMIT)",

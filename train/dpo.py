@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import vkdsl
-from vkdsl.autograd import grad
+from vkdsl.autograd import grad, saved_activations
 from vkdsl.models.identity import digest
 from vkdsl.ops import losses
 
@@ -30,7 +30,7 @@ from .evidence import DpoEvidence, PairEvidence
 from .prefix import FrozenPrefix
 from .schedule import lr_at
 from .scoring import Scorer
-from .step import HostAdamW, head_rows, select, selected_hidden
+from .step import HostAdamW, kept_dtype, head_rows, select, selected_hidden
 
 LN2 = math.log(2.0)
 
@@ -76,11 +76,15 @@ def _logprob_rows(logits, labels):
     return losses.token_logprobs(logits, labels)[0]
 
 
-def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0, checkpoint: int = 0):
+def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0, checkpoint: int = 0,
+                   activations: str = "fp32"):
     """Traced: (chosen ids/pos/labels/segments, rejected ..., ref_margin (P,), inv_nc (1,))
     -> (loss, policy chosen logp (P,), policy rejected logp (P,), *grads).
     start > 0: the ids are the frozen prefix's outputs (train.prefix). checkpoint: layers per
-    recomputed group in the backward (Llama.forward)."""
+    recomputed group in the backward (Llama.forward). activations: storage of what the backward keeps
+    (train.step.build_grad_fn)."""
+    kept = kept_dtype(activations)
+
     @vkdsl.trace
     def dpo_step(ids_c, pos_c, lab_c, seg_c, ids_r, pos_r, lab_r, seg_r, ref_margin, inv_nc):
         lpc, = head_rows(model, selected_hidden(model, ids_c, pos_c, True, start, (), checkpoint), _logprob_rows,
@@ -93,7 +97,8 @@ def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0
         loss = losses.softplus(-margin).mean()
         if nll_weight > 0:                                     # optional NLL on the chosen responses
             loss = loss - pc.sum() * inv_nc[0] * nll_weight
-        return [loss, pc, pr] + grad(loss, params)
+        with saved_activations(kept):
+            return [loss, pc, pr] + grad(loss, params)
     return dpo_step
 
 
@@ -199,7 +204,8 @@ class DpoObjective:
         self.prefix, self.g, self.say, self.event, self.reference = prefix, group, say, event, reference
         self.steps, self.clip = cfg.dpo_steps, cfg.clip
         self.order = PairOrder(len(pairs), cfg.dpo_batch * group.size, cfg.data_seed)
-        self.fn = build_dpo_step(model, params, cfg.dpo_beta, cfg.dpo_nll_weight, prefix.start, cfg.checkpoint_layers)
+        self.fn = build_dpo_step(model, params, cfg.dpo_beta, cfg.dpo_nll_weight, prefix.start, cfg.checkpoint_layers,
+                                 cfg.activations)
         self.history = []
 
     def lr(self, step):

@@ -106,7 +106,8 @@ def budget(cfg) -> int:
 def lines(p, cfg) -> list[str]:
     B, T = p["shape"]
     what = f"{B} window(s) of {T} tokens" if cfg.window else f"{B} rows of {T} tokens"
-    out = [f"device memory plan ({what} a micro-batch, checkpoint {cfg.checkpoint}):"]
+    out = [f"device memory plan ({what} a micro-batch, checkpoint {cfg.checkpoint}, "
+           f"activations {cfg.activations}):"]
     out += [f"  {k:<14} {v / MiB:9.1f} MiB" for k, v in p["parts"].items()]
     out.append(f"  {'total':<14} {p['total'] / MiB:9.1f} MiB of a {p['budget'] / MiB:.0f} MiB budget"
                + ("" if cfg.window else "; each other row length met adds a step program no larger"))

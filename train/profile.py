@@ -102,12 +102,12 @@ def profile_dpo(path=None) -> list[dict]:
 
 
 def bench_or_profile(objective="sft", path=None, profile=False, checkpoint="none", plan=False,
-                     shape="4x256", targets="qv,all", steps=0, lr=1e-4) -> list[dict]:
+                     shape="4x256", targets="qv,all", steps=0, lr=1e-4, activations="fp32") -> list[dict]:
     """`vkdsl bench train [--objective dpo] [--by-kernel] [--checkpoint C] [--plan]`: the step's speed
     and memory, its planned memory, or where its time goes."""
     from .bench import bench_train
     if not profile:
-        return bench_train(objective, path, checkpoint, plan, shape, targets, steps, lr)
+        return bench_train(objective, path, checkpoint, plan, shape, targets, steps, lr, activations)
     return profile_dpo(path) if objective == "dpo" else profile_sft(path)
 
 

@@ -15,14 +15,26 @@ import hashlib
 import numpy as np
 
 import vkdsl
-from vkdsl.autograd import grad, rowwise
+from vkdsl.autograd import grad, rowwise, saved_activations
 from vkdsl.models.llama import head_in_chunks
 from vkdsl.ops import losses
 from vkdsl.ops.losses import IGNORE
+from vkdsl.runtime import default_device
 
 from .distributed import my_share, sum_over_ranks
 from .packing import Packing
 from .prefix import FrozenPrefix
+
+STORAGE = {"fp32": "float32", "fp16": "float16"}     # TrainConfig.activations -> the kept values' dtype
+
+
+def kept_dtype(activations: str) -> str:
+    """The dtype the backward keeps activations in; fp16 on a device without 16-bit storage is refused."""
+    dev = default_device()
+    if activations == "fp16" and not dev.limits.storage16:
+        raise ValueError(f"activations = fp16 needs 16-bit storage (storageBuffer16BitAccess), which "
+                         f"{dev.info.name} lacks: use activations = fp32")
+    return STORAGE[activations]
 
 
 
@@ -82,13 +94,16 @@ def _cat(parts):
 
 
 def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0, packed: bool = False,
-                  checkpoint: int = 0, keep: int = 0):
+                  checkpoint: int = 0, keep: int = 0, activations: str = "fp32"):
     """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, positions (B,T), spans (B,T,2)] [, base
     logits (S,V) as split_rows' chunks]) -> (ce_sum, kl_sum, *grads). base_input: the base model's
     logits come in (cached) instead of a base forward. start > 0: ids is the frozen prefix's output
     (train.prefix). packed: rows share sequences (train.packing): their positions and row spans
     come in too. checkpoint: layers per recomputed group (0: keep every activation). keep: programs
-    held at once (vkdsl.trace; 0: one per shape seen)."""
+    held at once (vkdsl.trace; 0: one per shape seen). activations: fp32, or fp16 storage of what
+    the backward keeps (vkdsl.autograd.saved_activations)."""
+    kept = kept_dtype(activations)
+
     def rows(lg, labels, *base):
         ce = -losses.token_logprobs(lg, labels)[0]
         if not base:
@@ -106,7 +121,8 @@ def build_grad_fn(model, params, lam: float, base_input: bool = False, start: in
         obj, ce, *kl = head_rows(model, h, rows, labels, *base_rows)
         ce_sum = ce.sum()
         kl_sum = kl[0].sum() if kl else ce_sum * 0.0
-        gs = grad(obj.sum() * inv_n[0], params)
+        with saved_activations(kept):
+            gs = grad(obj.sum() * inv_n[0], params)
         return [ce_sum, kl_sum] + gs
     return grad_step
 
@@ -227,6 +243,7 @@ class Stepper:
         build = lambda packed: build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None,  # noqa: E731
                                              start=prefix.start, packed=packed,
                                              checkpoint=getattr(cfg, "checkpoint_layers", 0),
+                                             activations=getattr(cfg, "activations", "fp32"),
                                              keep=2 if self.window else 0)
         self.fn, self.fn_packed = build(False), build(True)
         self.pack = bool(getattr(cfg, "pack", False))

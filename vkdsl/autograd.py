@@ -5,8 +5,13 @@ gradient tensor (let alone a buffer), while input gradients through frozen layer
 to earlier trainable tensors. The result is a lazy graph like any other: trace it."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 from .custom import CustomOp, custom
+from .graph import base_of, walk
 from .precision import matmul_precision
+from .schedule import materialized
 from .tensor import ShapeError, Tensor
 
 # Each rule: (node, upstream gradient g, *sources) -> one gradient per source (None = no gradient).
@@ -94,8 +99,56 @@ GRADIENTS = {
     "reduce": _reduce_grad,
     "matmul": _matmul_grads,
     "gather": lambda o, g, table, idx: (scatter_add(g, idx, table.shape[0]), None),
-    "custom": lambda o, g, *srcs: o.arg.backward(o, g, *srcs),
 }
+
+_SAVED = contextvars.ContextVar("vkdsl_saved_activations", default="float32")
+
+
+@contextlib.contextmanager
+def saved_activations(dtype: str):
+    """Gradients taken inside keep the forward values their rules read (the activations) in storage
+    of this dtype. "float16": each kept value is copied, rounded to fp16, as soon as it is computed
+    (a stash, placed by the schedule right after it), and the backward reads that copy widened, so
+    the fp32 original dies with its last forward reader: half the bytes kept between the forward and
+    the backward, arithmetic in fp32 throughout. The forward's own values are unchanged; the
+    gradients are those at the fp16-rounded activations."""
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"saved activations: float32 or float16, got {dtype!r}")
+    token = _SAVED.set(dtype)
+    try:
+        yield
+    finally:
+        _SAVED.reset(token)
+
+
+# rules whose reads of the forward go through the stash (sources, and the output where the rule reads
+# its value); the others (comparisons, max, where) would compare an fp16 copy with an fp32 value
+_READS_SOURCES = frozenset({"mul", "div", "matmul", "exp", "log", "sqrt", "rsqrt", "tanh", "recip", "sin", "cos"})
+_READS_OUTPUT = _READS_SOURCES - {"matmul", "mul", "log", "sin", "cos"}
+
+
+class _Kept:
+    """How one grad() call's rules read forward values: as they are, or (float16) through one
+    stash per value. A value is stashed only where the schedule would store it anyway (a kernel's
+    output, an operand of a hand-written kernel, a value several kernels read) and it is no
+    per-row statistic (last axis 1): fused expressions are recomputed in the backward, not kept."""
+
+    def __init__(self, loss):
+        self.on = _SAVED.get() == "float16"
+        self.copies = {}
+        if self.on:
+            self.stored = materialized(walk([loss]))
+
+    def __call__(self, s: Tensor) -> Tensor:
+        if not self.on or s.dtype != "float32" or not s.shape or s.shape[-1] == 1:
+            return s
+        b = base_of(s)
+        if b.op in ("buffer", "input") or id(b) not in self.stored:
+            return s
+        if id(s) not in self.copies:
+            stash = Tensor("cast", (s,), "stash", shape=s.shape, dtype="float16", requires_grad=s.requires_grad)
+            self.copies[id(s)] = stash.float()
+        return self.copies[id(s)]
 
 
 def with_gradient(out: Tensor, sources, rule) -> Tensor:
@@ -130,7 +183,8 @@ def rowwise(fn, x: Tensor, *consts: Tensor):
     if y.shape != x.shape[:1]:
         raise ShapeError(f"rowwise: fn gave {y.shape}, expected one value per row of x {x.shape}")
     if x.requires_grad:
-        J = grad(y.sum(), [x], local=True)[0]
+        with saved_activations("float32"):          # J is computed with y: nothing is kept
+            J = grad(y.sum(), [x], local=True)[0]
         # J, y and the report rows wait for one another: whichever a program reads first (the backward
         # J, or a loss to report), all are computed together and fn's intermediates (a chunk's logits)
         # die there, not held until a later reader
@@ -192,6 +246,7 @@ def grad(loss: Tensor, params, upstream: Tensor | None = None, local: bool = Fal
             raise ValueError(f"grad: {p} does not require a gradient (frozen tensors get none)")
     grads = {id(loss): upstream if upstream is not None else Tensor.const(1.0, loss.shape)}
     wanted, found = frozenset(id(p) for p in params), {}
+    kept = _Kept(loss)
     for t in reversed(_topo(loss, wanted if local else frozenset())):
         g = grads.pop(id(t), None)
         if g is not None and id(t) in wanted:
@@ -203,12 +258,15 @@ def grad(loss: Tensor, params, upstream: Tensor | None = None, local: bool = Fal
             continue
         if t.backward is not None:
             srcs, explicit = t.backward
-            pairs = zip(srcs, explicit(g, *srcs))
+            pairs = zip(srcs, explicit(g, *map(kept, srcs)))
+        elif t.op == "custom":          # its backward reads its output as a value too
+            pairs = zip(t.src, t.arg.backward(kept(t), g, *map(kept, t.src)))
         else:
             rule = GRADIENTS.get(t.op)
             if rule is None:
                 raise NotImplementedError(f"no gradient rule for op {t.op}")
-            pairs = zip(t.src, rule(t, g, *t.src))
+            out = kept(t) if t.op in _READS_OUTPUT else t
+            pairs = zip(t.src, rule(out, g, *(map(kept, t.src) if t.op in _READS_SOURCES else t.src)))
         for s, gs in pairs:
             if gs is None or not s.requires_grad:
                 continue

@@ -19,20 +19,9 @@ def plan(outputs: list, assigns: list[tuple]):
     """Returns (steps, materialized): steps in execution order; materialized = set of ids of
     nodes that own (or alias) a buffer."""
     roots = list(outputs) + [v for _, v in assigns]
-    order = walk(roots[::-1])        # last outputs first: a gradient program lists its parameters in
-    #                                  layer order, and the last layer's come ready first
-    uses = {}
-    for t in order:
-        for s in t.src:
-            b = base_of(s)        # a view's consumers are its data node's consumers
-            uses[id(b)] = uses.get(id(b), 0) + 1
-    mat = {id(t) for t in order if t.op in ("buffer", "input", "contiguous") or t.op in KERNEL_OPS}
-    mat |= {id(t) for t in outputs}
-    for t in order:
-        if t.op in ("matmul", "gather", "custom"):
-            mat |= {id(s) for s in t.src}          # hand-written kernels read whole buffers
-        if t.op in ELEMENTWISE and uses.get(id(t), 0) > 1:
-            mat.add(id(t))                         # computed once, read by several kernels
+    order = _stashes_early(walk(roots[::-1]))   # last outputs first: a gradient program lists its
+    #                                  parameters in layer order, and the last layer's come ready first
+    mat = materialized(order, outputs)
     targets = {id(tg) for tg, _ in assigns}
     steps = []
     for t in order:
@@ -50,6 +39,47 @@ def plan(outputs: list, assigns: list[tuple]):
         steps.append(Step("assign", value, [value] if id(value) in mat else leaves_of(value, mat), target))
     _check_assign_order(steps)
     return steps, mat
+
+
+def materialized(order, outputs=()) -> set:
+    """Ids of the nodes of `order` (sources first) that get a buffer: kernels' outputs and whatever a
+    hand-written kernel reads, elementwise nodes read by several kernels, stashes, the outputs;
+    every other elementwise node is fused into its readers."""
+    uses = {}
+    for t in order:
+        for s in t.src:
+            b = base_of(s)        # a view's consumers are its data node's consumers
+            uses[id(b)] = uses.get(id(b), 0) + 1
+    mat = {id(t) for t in order if t.op in ("buffer", "input", "contiguous") or t.op in KERNEL_OPS or is_stash(t)}
+    mat |= {id(t) for t in outputs}
+    for t in order:
+        if t.op in ("matmul", "gather", "custom"):
+            mat |= {id(s) for s in t.src}          # hand-written kernels read whole buffers
+        if t.op in ELEMENTWISE and uses.get(id(t), 0) > 1:
+            mat.add(id(t))                         # computed once, read by several kernels
+    return mat
+
+
+def is_stash(t) -> bool:
+    """A forward value's fp16 copy that a backward reads (vkdsl.autograd.saved_activations)."""
+    return t.op == "cast" and t.arg == "stash"
+
+
+def _stashes_early(order):
+    """Each stash right after the node holding its source's data, instead of where the backward
+    first reads it: the fp32 original then dies with its last forward reader, not in the backward."""
+    early = {}
+    for t in order:
+        if is_stash(t):
+            early.setdefault(id(base_of(t.src[0])), []).append(t)
+    if not early:
+        return order
+    out = []
+    for t in order:
+        if not is_stash(t):
+            out.append(t)
+            out.extend(early.get(id(t), ()))
+    return out
 
 
 def _only_reshapes(t):
