@@ -129,7 +129,7 @@ def test_training_through_it_keeps_no_t_by_t_tensor(dev, rng):
         def step(up):
             return grad((fn(q, k, v) * up).sum(), [q, k, v])
         return step.program(f32(rng, B, T, Hq, D))
-    biggest = lambda prog: max(b.nbytes for b in prog.bufs.values())      # noqa: E731
+    biggest = lambda prog: max(b.nbytes for b in prog.buffers())      # noqa: E731
     assert biggest(program(A.attention_composed)) >= B * Hq * T * T * 4        # the test can fail
     assert biggest(program(A.attention)) < T * T * 4
 
@@ -195,7 +195,7 @@ def step(u):
     o = A.attention(q, k, v)
     return [o] + grad((o * u).sum(), [q, k, v])
 out = step(a["up"])
-big = max(b.nbytes for b in step.program(a["up"]).bufs.values())
+big = max(b.nbytes for b in step.program(a["up"]).buffers())
 built = [key for key in default_device().kernels if isinstance(key, tuple) and key[0] == "variant"]
 no64 = any("attention" in key[1] and ("NO_INT64", 1) in key[3] for key in built)
 np.savez({str(tmp_path / "out.npz")!r}, o=out[0], dq=out[1], dk=out[2], dv=out[3], big=big, no64=no64)

@@ -44,7 +44,7 @@ def window_run(setup, **kw):
 
 
 def program_bytes(prog):
-    return sum(b.nbytes for b in {id(b): b for b in prog.bufs.values()}.values())
+    return prog.device_bytes
 
 
 def test_the_planned_step_is_the_program_window_mode_builds_and_the_only_one(setup):

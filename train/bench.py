@@ -123,7 +123,7 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
             _free(model, st.fn, st.fn_packed)
             continue
         prog = st.fn.program(*args)
-        prog_bytes = sum(b.nbytes for b in {id(b): b for b in prog.bufs.values()}.values())
+        prog_bytes = prog.device_bytes
         plan_bytes = planned["total"] - planned["staging"]
         rows.append({"case": case, "trainable": sum(p.size for p in params), "step_s": t, "tokens_per_s": B * T / t,
                      "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],

@@ -5,6 +5,7 @@ realized leaves. vkdsl.trace keeps the program and replays it: upload inputs, on
 wait, read outputs -- no Python work per dispatch."""
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import threading
@@ -16,7 +17,7 @@ from .compiler import compile_glsl, prefetch
 from .graph import ITEMSIZE, NP_DTYPE, reshape_base
 from .handwritten import default_variant, fold_grid
 from .matmul import plan_matmul, record_matmul
-from .runtime import Buffer, Recording, default_device, get_kernel
+from .runtime import Buffer, Part, Recording, default_device, get_kernel
 from .schedule import plan
 
 
@@ -137,9 +138,12 @@ GUARD_WORD = np.uint32(0x7FC0DEAD)    # a NaN pattern no kernel writes by accide
 def buffer_slots(steps, outputs) -> tuple[dict, list]:
     """The buffers a program's steps get, decided without allocating any: (slot of each computed
     node's id, [(bytes, 'output' | 'temp')] per slot). Outputs (and what they alias through
-    reshapes) keep slots of their own; a temporary's slot returns to a pool of its byte size once
-    its last reader has run, and the next node of that size takes it. Program allocates exactly
-    these; Traced.plan sums them."""
+    reshapes) keep slots of their own. A temporary lives from its step to its last reader's; the
+    temporaries are placed largest first, each in the smallest slot no value alive at the same time
+    holds, else in a new slot of its size (greedy by size, as TFLite's planner shares objects), so
+    a slot's bytes are its first value's and the total comes near the peak of what is alive. int32
+    values share only slots of exactly their size (a kernel may size its loop by the binding).
+    Program allocates exactly these; Traced.plan sums them."""
     computed = {id(s.node) for s in steps if s.kind != "assign"}
 
     def owner(x):
@@ -153,22 +157,33 @@ def buffer_slots(steps, outputs) -> tuple[dict, list]:
     for i, s in enumerate(steps):
         for x in s.inputs:
             last_use[owner(x)] = i
-    slot_of, slots, free = {}, [], {}
+    slot_of, slots, temps = {}, [], []
     for i, s in enumerate(steps):
         if s.kind == "assign":
             continue
-        nb = _nbytes(s.node)
-        pool = free.get(nb) if id(s.node) not in out_ids else None
-        if pool:
-            slot_of[id(s.node)] = pool.pop()
+        if id(s.node) in out_ids:
+            slot_of[id(s.node)] = len(slots)
+            slots.append((_nbytes(s.node), "output"))
         else:
-            slots.append((nb, "output" if id(s.node) in out_ids else "temp"))
-            slot_of[id(s.node)] = len(slots) - 1
-        for x in s.inputs:              # release the slots whose last reader is this step
-            key = owner(x)
-            if last_use.get(key) == i and key in slot_of and slots[slot_of[key]][1] == "temp":
-                free.setdefault(slots[slot_of[key]][0], []).append(slot_of[key])
-    return slot_of, slots
+            temps.append((_nbytes(s.node), i, max(i, last_use.get(id(s.node), i)), id(s.node), s.node.dtype == "int32"))
+    lives = [([], []) for _ in slots]   # per slot: (starts, ends) of its values' lives, sorted, disjoint
+    for nb, start, end, key, exact in sorted(temps, key=lambda v: (-v[0], v[1])):
+        for k in range(len(slots) - 1, -1, -1):         # newest first: the smallest slots
+            size, kind = slots[k]
+            if kind != ("temp-int32" if exact else "temp") or size < nb or (exact and size != nb):
+                continue
+            starts, ends = lives[k]
+            j = bisect.bisect_right(starts, end)
+            if j == 0 or ends[j - 1] < start:           # no value of this slot alive meanwhile
+                starts.insert(j, start)
+                ends.insert(j, end)
+                break
+        else:
+            k = len(slots)
+            slots.append((nb, "temp-int32" if exact else "temp"))
+            lives.append(([start], [end]))
+        slot_of[key] = k
+    return slot_of, [(nb, "temp" if kind == "temp-int32" else kind) for nb, kind in slots]
 
 
 class Program:
@@ -200,10 +215,20 @@ class Program:
             made.append(buf)
         for s in steps:
             if s.kind != "assign":
-                self._own(s.node, made[slot_of[id(s.node)]])
+                buf = made[slot_of[id(s.node)]]
+                self._own(s.node, buf if buf.nbytes == _nbytes(s.node) else Part(buf, _nbytes(s.node)))
         self.out_stage = [None if unified else Buffer(dev, max(_nbytes(o), 4), host=True, label="stage-out")
                           for o in self.outputs]
         self._record()
+
+    def buffers(self) -> list:
+        """The distinct device buffers the program allocated for its inputs and values (a slot shared
+        by several values once; staging twins not included)."""
+        return list({id(b): b for b in (getattr(b, "buffer", b) for b in self.bufs.values())}.values())
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers())
 
     def _own(self, t, buf):
         self.bufs[id(t)] = buf

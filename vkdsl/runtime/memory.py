@@ -40,6 +40,19 @@ def _release(dev_handle, buf, mem, device, nbytes, views):
     device.allocated_bytes -= nbytes
 
 
+class Part:
+    """The first `nbytes` of a larger buffer: what one value of a program sees of a slot it shares
+    with larger values (vkdsl.realize.buffer_slots), so sizes taken from a bound buffer are the
+    value's. Binding, copies, barriers and texel views go to the whole buffer."""
+    __slots__ = ("buffer", "nbytes")
+
+    def __init__(self, buffer: "Buffer", nbytes: int):
+        self.buffer, self.nbytes = buffer, int(nbytes)
+
+    def __getattr__(self, name):
+        return getattr(self.buffer, name)
+
+
 class Buffer:
     """A VkBuffer with its own memory. `host` buffers are mapped for the life of the buffer."""
 
