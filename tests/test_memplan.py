@@ -2,6 +2,8 @@
 step is the program the run then builds (its buffers, to 1%), window mode builds one step program
 whatever the rows, a run over its budget is refused in one line naming settings that fit, and
 `vkdsl-train --plan` prints the plan without training."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -70,8 +72,13 @@ def test_a_run_over_its_budget_is_refused_naming_settings_that_fit(setup):
                                                       r"grad_accum = 1, eval_batch = 4 fits"):
         memplan.check(r, lambda s: None)
     r.cfg.device_memory = "1K"
-    with pytest.raises(memplan.MemoryPlanError, match="no checkpointing or batch split fits"):
+    with pytest.raises(memplan.MemoryPlanError, match="no checkpointing, batch split or fp16 activations fits"):
         memplan.check(r, lambda s: None)
+    alts = memplan.alternatives(r.cfg)              # fp16 saved activations only after every exact setting
+    first16 = next(i for i, c in enumerate(alts) if c.activations == "fp16")
+    assert first16 > 0 and all(c.activations == "fp16" for c in alts[first16:])
+    as32 = dataclasses.replace(alts[first16], activations="fp32")
+    assert memplan.plan(r, alts[first16])["total"] < memplan.plan(r, as32)["total"]
 
 
 def test_vkdsl_train_plan_prints_the_plan_and_trains_nothing(setup, tmp_path):

@@ -117,18 +117,20 @@ def lines(p, cfg) -> list[str]:
 def alternatives(cfg):
     """Settings that need less memory, most faithful first: checkpointing at the same batch, then
     fewer rows (windows) per micro-batch with more accumulation (the same optimizer step); each
-    with the evaluation batch as it is, then halved."""
+    with the evaluation batch as it is, then halved; last, the same with fp16 saved activations
+    (gradients no longer exact) where the device has 16-bit storage."""
     def halvings(n):
         while True:
             yield n
             if n == 1 or n % 2:
                 return
             n //= 2
-    return [dataclasses.replace(cfg, checkpoint=ck, batch_size=b, eval_batch=e,
+    acts = [cfg.activations] + (["fp16"] if cfg.activations != "fp16" and default_device().limits.storage16 else [])
+    return [dataclasses.replace(cfg, checkpoint=ck, batch_size=b, eval_batch=e, activations=a,
                                 grad_accum=cfg.grad_accum * (cfg.batch_size // b))
-            for b in halvings(cfg.batch_size) for e in halvings(cfg.eval_batch)
+            for a in acts for b in halvings(cfg.batch_size) for e in halvings(cfg.eval_batch)
             for ck in dict.fromkeys([cfg.checkpoint, "layers"])
-            if (ck, b, e) != (cfg.checkpoint, cfg.batch_size, cfg.eval_batch)]
+            if (ck, b, e, a) != (cfg.checkpoint, cfg.batch_size, cfg.eval_batch, cfg.activations)]
 
 
 def peak_line(p) -> str:
@@ -147,8 +149,9 @@ def check(r, say) -> dict:
         return p
     hint = next((c for c in alternatives(r.cfg) if plan(r, c)["total"] <= p["budget"]), None)
     fix = (f"checkpoint = {hint.checkpoint}, batch_size = {hint.batch_size}, grad_accum = {hint.grad_accum}, "
-           f"eval_batch = {hint.eval_batch} fits" if hint else
-           "no checkpointing or batch split fits: shorten max_len/window or quantize the base")
+           f"eval_batch = {hint.eval_batch}" + (f", activations = {hint.activations}" if hint.activations !=
+                                                r.cfg.activations else "") + " fits" if hint else
+           "no checkpointing, batch split or fp16 activations fits: shorten max_len/window or quantize the base")
     big = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in p["parts"].items() if v >= MiB)
     raise MemoryPlanError(f"the run needs {p['total'] / MiB:.0f} MiB of device memory ({big}) and the budget "
                           f"is {p['budget'] / MiB:.0f} MiB: {fix}")
