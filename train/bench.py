@@ -115,6 +115,7 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
             _free(model, st.fn, st.fn_packed)
             continue
         against = {} if activations == "fp32" else fp32_gradients_vs(model, params, st, args)
+        dev.peak_bytes = dev.allocated_bytes            # the comparison's fp32 program is not this case's
         try:
             t, recs = time_stepper(model, st, params, [(ids, labels)], reps=steps or (2 if B * T <= 2048 else 1),
                                    lr=lr)
