@@ -233,6 +233,8 @@ MUTANTS = [
     Mutant("slot_shared_with_a_live_value", "vkdsl/realize.py",
            "            if j == 0 or ends[j - 1] < start:", "            if True:",
            ("tests/test_trace.py", "-k", "share_a_slot"), "values alive at the same time share a buffer"),
+    Mutant("fused_kernel_reads_unbounded", "vkdsl/schedule.py", "MAX_FUSED_READS = 24", "MAX_FUSED_READS = 10 ** 6",
+           ("tests/test_trace.py", "-k", "many_chunks"), "a generated kernel binding more buffers than llvmpipe takes"),
     Mutant("pack8_halves_swapped", "vkdsl/kernels/pack8.glsl", "    lo = c.lo;\n    hi = c.hi;",
            "    lo = c.hi;\n    hi = c.lo;", ("tests/test_attention.py", "-k", "int64"),
            "without int64 the fused attention reads each 8-float chunk's halves swapped"),

@@ -157,3 +157,20 @@ def test_keep_holds_at_most_that_many_programs_and_frees_the_others():
         assert float(np.asarray(out)) == pytest.approx(2.0 * n)          # 0.5 * 2 + 1 per element
         assert len(f.programs) == 1
         assert dev.allocated_bytes - before < 4 * n + 4096                # the other shape's buffers are gone
+
+
+def test_a_concatenation_of_many_chunks_binds_few_buffers_per_kernel():
+    """60 chunks joined by pads and adds (as the chunked LM head's gradient rows are): fused whole,
+    one kernel would bind 61 buffers, past llvmpipe's 32 per shader (a crash, not an error); the
+    schedule gives partial sums buffers instead. The result is the numpy concatenation."""
+    from vkdsl.schedule import MAX_FUSED_READS, plan
+    xs = [np.full((4, 8), i, np.float32) for i in range(60)]
+
+    def join(*parts):
+        out = parts[0].pad(((0, 236), (0, 0)))
+        for i, x in enumerate(parts[1:], 1):
+            out = out + x.pad(((4 * i, 236 - 4 * i), (0, 0)))
+        return out
+    steps, _ = plan([join(*[vkdsl.tensor(x) for x in xs])], [])     # checked before anything runs
+    assert max(len(s.inputs) for s in steps) <= MAX_FUSED_READS
+    np.testing.assert_array_equal(np.asarray(vkdsl.trace(join)(*xs)), np.concatenate(xs))

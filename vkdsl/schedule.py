@@ -57,7 +57,31 @@ def materialized(order, outputs=()) -> set:
             mat |= {id(s) for s in t.src}          # hand-written kernels read whole buffers
         if t.op in ELEMENTWISE and uses.get(id(t), 0) > 1:
             mat.add(id(t))                         # computed once, read by several kernels
+    _bound_fused_reads(order, mat)
     return mat
+
+
+MAX_FUSED_READS = 24     # buffers one generated kernel reads: llvmpipe binds at most 32 per shader
+
+
+def _bound_fused_reads(order, mat):
+    """Materialize partial expressions where a fused kernel would read more than MAX_FUSED_READS
+    buffers (the chunked head's gradient rows, concatenated by pads and adds: one per chunk), so no
+    generated kernel binds more buffers than a driver takes (past llvmpipe's 32 it crashed)."""
+    fused = {}                          # buffers the expression rooted at a node reads when fused
+
+    def cost(s):
+        return 1 if id(s) in mat or s.op == "reduce" else fused.get(id(s), 0)
+    for t in order:
+        fused[id(t)] = sum(cost(s) for s in t.src)
+        if t.op in KERNEL_OPS or fused[id(t)] <= MAX_FUSED_READS:
+            continue
+        for s in sorted(t.src, key=cost, reverse=True):     # the widest operands get buffers first
+            if cost(s) > 1:
+                mat.add(id(s))
+                fused[id(t)] = sum(cost(x) for x in t.src)
+                if fused[id(t)] <= MAX_FUSED_READS:
+                    break
 
 
 def is_stash(t) -> bool:
