@@ -163,7 +163,7 @@ def test_a_concatenation_of_many_chunks_binds_few_buffers_per_kernel():
     """60 chunks joined by pads and adds (as the chunked LM head's gradient rows are): fused whole,
     one kernel would bind 61 buffers, past llvmpipe's 32 per shader (a crash, not an error); the
     schedule gives partial sums buffers instead. The result is the numpy concatenation."""
-    from vkdsl.schedule import MAX_FUSED_READS, plan
+    from vkdsl.schedule import plan
     xs = [np.full((4, 8), i, np.float32) for i in range(60)]
 
     def join(*parts):
@@ -172,5 +172,5 @@ def test_a_concatenation_of_many_chunks_binds_few_buffers_per_kernel():
             out = out + x.pad(((4 * i, 236 - 4 * i), (0, 0)))
         return out
     steps, _ = plan([join(*[vkdsl.tensor(x) for x in xs])], [])     # checked before anything runs
-    assert max(len(s.inputs) for s in steps) <= MAX_FUSED_READS
+    assert max(len(s.inputs) for s in steps) + 1 <= 32           # llvmpipe: 32 buffers per shader, output included
     np.testing.assert_array_equal(np.asarray(vkdsl.trace(join)(*xs)), np.concatenate(xs))
