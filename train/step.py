@@ -37,7 +37,6 @@ def kept_dtype(activations: str) -> str:
     return STORAGE[activations]
 
 
-
 def select(labels: np.ndarray, bucket: int = 16, size: int = 0):
     """labels (B, T) -> flat positions (S,) int32 and their labels (S,), S padded to a multiple
     of `bucket` (or to `size` when they fit it) with position 0 / label -100 (ignored)."""
