@@ -10,44 +10,60 @@ from .common import Commands, device_option, echo_rows, json_option, open_device
 
 # name -> (module:function, help, extra options)
 BENCHES = {
-    "matmul": ("vkdsl.bench:bench_matmul", "Matmul GFLOP/s on the device and numpy fp32's, and their ratio.",
+    "matmul": ("vkdsl.bench:bench_matmul",
+               "Matmul GFLOP/s on the device and numpy fp32's, and their ratio.",
                [click.Option(["--sizes"], default="256,512,1024,2048", show_default=True,
                              help="comma-separated n for n x n x n"),
-                click.Option(["--precision"], type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
+                click.Option(["--precision"], type=click.Choice(["fp32", "fp16"]), default="fp32",
+                             show_default=True,
                              help="fp16: inputs rounded to fp16, fp32 sums (vkdsl.precision)")]),
     "replay": ("vkdsl.bench:bench_replay",
-               "A traced 1000-dispatch program replayed vs the same dispatches recorded by hand.", []),
+               "A traced 1000-dispatch program replayed vs the same dispatches recorded by hand.",
+               []),
     "model": ("vkdsl.models.bench:bench_model",
-              "Prompt processing and generation tokens/s (SmolLM2, or --model) beside a numpy float32 forward.",
+              "Prompt processing and generation tokens/s (SmolLM2, or --model) beside a numpy "
+              "float32 forward.",
               [click.Option(["--model", "model_path"], default=None, metavar="PATH")]),
     "train": ("vkdsl.train.profile:bench_or_profile",
-              "Training-step speed (SFT at 4 x 256, or DPO at 4 pairs x 64; SmolLM2, or --model) and device memory.",
+              "Training-step speed (SFT at 4 x 256, or DPO at 4 pairs x 64; SmolLM2, or --model) "
+              "and device memory.",
               [click.Option(["--model", "model_path"], default=None, metavar="PATH"),
-               click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft", show_default=True),
+               click.Option(["--objective"], type=click.Choice(["sft", "dpo"]), default="sft",
+                            show_default=True),
                click.Option(["--by-kernel", "by_kernel"], is_flag=True,
-                            help="time per kernel class of one step (each dispatch alone), GFLOP/s, share"),
-               click.Option(["--checkpoint"], default="none", show_default=True, metavar="none|layers|every:K",
-                            help="activation checkpointing of the SFT rows (vkdsl-train --checkpoint)"),
+                            help="time per kernel class of one step (each dispatch alone), "
+                                 "GFLOP/s, share"),
+               click.Option(["--checkpoint"], default="none", show_default=True,
+                            metavar="none|layers|every:K",
+                            help="activation checkpointing of the SFT rows (vkdsl-train "
+                                 "--checkpoint)"),
                click.Option(["--activations"], type=click.Choice(["fp32", "fp16"]), default="fp32",
                             show_default=True, help="storage of what the SFT rows' backward keeps "
                                                     "(vkdsl-train --activations)"),
                click.Option(["--plan"], is_flag=True,
-                            help="the SFT rows' device bytes, planned from the traced step: nothing runs"),
+                            help="the SFT rows' device bytes, planned from the traced step: "
+                                 "nothing runs"),
                click.Option(["--shape"], default="4x256", show_default=True, metavar="ROWSxTOKENS",
                             help="the SFT rows' batch (e.g. 1x4096)"),
                click.Option(["--targets"], default="qv,all", show_default=True,
-                            help="which SFT rows: adapters on q,v (qv), on all seven projections (all)"),
+                            help="which SFT rows: adapters on q,v (qv), on all seven "
+                                 "projections (all)"),
                click.Option(["--steps"], default=0, show_default=True,
-                            help="SFT steps timed after the warm-up, all on the same batch, every loss listed "
-                                 "(0: 2, or 1 above 2048 tokens)"),
-               click.Option(["--lr"], default=1e-4, show_default=True, help="the SFT rows' learning rate")]),
+                            help="SFT steps timed after the warm-up, all on the same batch, every "
+                                 "loss listed (0: 2, or 1 above 2048 tokens)"),
+               click.Option(["--lr"], default=1e-4, show_default=True,
+                            help="the SFT rows' learning rate")]),
     "parallel": ("vkdsl.train.parallel_bench:bench_parallel",
-                 "Data-parallel SFT step (run under mpirun -np P): compute vs all-reduce seconds, ring bytes.",
-                 [click.Option(["--steps"], default=6, show_default=True, help="steps timed after one warm-up")]),
+                 "Data-parallel SFT step (run under mpirun -np P): compute vs all-reduce seconds, "
+                 "ring bytes.",
+                 [click.Option(["--steps"], default=6, show_default=True,
+                               help="steps timed after one warm-up")]),
     "ops": ("vkdsl.ops.bench:bench_ops",
-            "LoRA linear, softmax + CE, Q4_1 matmul and attention, forward and backward, beside numpy.", []),
+            "LoRA linear, softmax + CE, Q4_1 matmul and attention, forward and backward, "
+            "beside numpy.", []),
     "quant": ("vkdsl.ops.bench:bench_quant",
-              "int4 / NF4: stored bytes vs fp32 and the device round trip's relative Frobenius error.", []),
+              "int4 / NF4: stored bytes vs fp32 and the device round trip's relative "
+              "Frobenius error.", []),
 }
 
 
@@ -57,8 +73,8 @@ def _arguments(name, kw):
     if name == "model":
         return (kw["model_path"],)
     if name == "train":
-        return (kw["objective"], kw["model_path"], kw["by_kernel"], kw["checkpoint"], kw["plan"], kw["shape"],
-                kw["targets"], kw["steps"], kw["lr"], kw["activations"])
+        return (kw["objective"], kw["model_path"], kw["by_kernel"], kw["checkpoint"], kw["plan"],
+                kw["shape"], kw["targets"], kw["steps"], kw["lr"], kw["activations"])
     if name == "parallel":
         return (kw["steps"],)
     return ()
@@ -66,7 +82,7 @@ def _arguments(name, kw):
 
 def _command(name, target, help_, options):
     def run(device, as_json, **kw):
-        if name == "parallel":                      # each rank its own device, before the device opens
+        if name == "parallel":  # each rank its own device, before the device opens
             from vkdsl.train.distributed import group, pick_device
             pick_device(group("auto"))
         open_device(device, announce=not as_json)

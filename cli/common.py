@@ -14,7 +14,8 @@ from vkdsl.runtime.errors import DeviceNotFound, VulkanError
 # Anything else is a bug in vkdsl and keeps its traceback.
 USER_ERRORS = (ValueError, OSError, DeviceNotFound, VulkanError, NoCompiler)
 
-# Exit statuses: 0 done (every gate passed), 1 an error, 2 a usage error of the command line (click's),
+# Exit statuses: 0 done (every gate passed), 1 an error, 2 a usage error of the command line
+# (click's),
 # 3 the job ran to the end and a gate (or a probe's expectation) failed.
 GATE_FAILED = 3
 
@@ -39,10 +40,12 @@ class Commands(click.Group):
 
 
 def device_option(f):
-    """--device, and --profile (a capability profile: the device as if narrower, runtime.profiles)."""
+    """--device, and --profile (a capability profile: the device as if narrower,
+    runtime.profiles)."""
     f = profile_option(f)
     return click.option("--device", "device", default=None, metavar="D",
-                        help="device index or name substring (default: $VKDSL_DEVICE, else the best present)")(f)
+                        help="device index or name substring (default: $VKDSL_DEVICE, else the "
+                             "best present)")(f)
 
 
 def _set_profile(ctx, param, value):
@@ -58,7 +61,8 @@ def _set_profile(ctx, param, value):
 
 def profile_option(f):
     from vkdsl.runtime.profiles import PROFILES
-    return click.option("--profile", default=None, metavar="NAME", expose_value=False, callback=_set_profile,
+    return click.option("--profile", default=None, metavar="NAME", expose_value=False,
+                        callback=_set_profile,
                         help=f"behave as a device of this class would: {', '.join(PROFILES)} "
                              f"(default: $VKDSL_PROFILE, else the device as it is)")(f)
 
@@ -84,4 +88,5 @@ def echo_rows(rows, as_json):
 
 def model_option(f):
     return click.option("--model", "model_path", default=None, metavar="PATH",
-                        help="GGUF file or Hugging Face folder (default: the installed SmolLM2-135M-Instruct)")(f)
+                        help="GGUF file or Hugging Face folder (default: the installed "
+                             "SmolLM2-135M-Instruct)")(f)

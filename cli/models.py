@@ -36,7 +36,8 @@ def _prompt_ids(tok, prompt, chat, context=None, what="--prompt"):
         ids = tok.encode(prompt)
     else:
         # the template writes its own BOS where it wants one (Llama 3's, Mistral's): add none again
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True),
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                                 add_generation_prompt=True),
                          add_special=False)
     if not ids:
         raise click.ClickException(f"{what} {prompt!r} tokenizes to no tokens"
@@ -63,7 +64,8 @@ def tokenize(model_path, text):
 @click.option("--prompt", required=True)
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="FILE.npy")
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
-@click.option("--adapter", default=None, help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")
+@click.option("--adapter", default=None,
+              help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")
 @click.option("--force", is_flag=True, help="apply an adapter whose manifest names another base")
 def logits(device, model_path, prompt, out, chat, adapter, force):
     """Write the logits of every prompt position (float32, [tokens, vocab]) to FILE.npy."""
@@ -88,19 +90,23 @@ def logits(device, model_path, prompt, out, chat, adapter, force):
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--stats", is_flag=True, help="report speed and the weights' device memory")
-@click.option("--adapter", default=None, help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")
+@click.option("--adapter", default=None,
+              help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")
 @click.option("--force", is_flag=True, help="apply an adapter whose manifest names another base")
-@click.option("--kv-cache", "kv_cache", type=click.Choice(["f32", "f16"]), default="f32", show_default=True,
-              help="f16: keys and values stored as fp16 (half the cache memory; needs 16-bit storage)")
-def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_p, seed, stats, adapter, force,
-             kv_cache):
+@click.option("--kv-cache", "kv_cache", type=click.Choice(["f32", "f16"]), default="f32",
+              show_default=True,
+              help="f16: keys and values stored as fp16 (half the cache memory; needs "
+                   "16-bit storage)")
+def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_p, seed, stats,
+             adapter, force, kv_cache):
     """Generate text (greedy by default) with a KV cache."""
     from vkdsl.models.generate import Generator
     open_device(device)
     model, tok = _load_model(model_path, adapter=adapter, force=force)
     ids = _prompt_ids(tok, prompt, chat, model.cfg.context_length)
     try:
-        gen = Generator(model, len(ids) + max_new_tokens, kv_dtype={"f32": "float32", "f16": "float16"}[kv_cache])
+        gen = Generator(model, len(ids) + max_new_tokens,
+                        kv_dtype={"f32": "float32", "f16": "float16"}[kv_cache])
     except ValueError as e:
         raise click.ClickException(str(e))
     if not chat:
@@ -117,20 +123,24 @@ def generate(device, model_path, prompt, chat, max_new_tokens, temperature, top_
     click.echo()
     if stats:
         mem = model.device_bytes()
-        click.echo(f"[{st['prompt_tokens']} prompt tokens in {st['prefill_s']:.2f} s (includes first-call "
-                   f"compile); {st['new_tokens']} new tokens at {st['new_tokens'] / max(st['decode_s'], 1e-9):.1f} "
-                   f"tokens/s; weights on device {mem['device_bytes'] / 2**20:.1f} MiB vs "
-                   f"{mem['fp32_bytes'] / 2**20:.1f} MiB as fp32; KV cache {gen.cache.nbytes() / 2**20:.1f} MiB "
-                   f"({kv_cache})]", err=True)
+        click.echo(f"[{st['prompt_tokens']} prompt tokens in {st['prefill_s']:.2f} s (includes "
+                   f"first-call compile); {st['new_tokens']} new tokens at "
+                   f"{st['new_tokens'] / max(st['decode_s'], 1e-9):.1f} tokens/s; weights on "
+                   f"device {mem['device_bytes'] / 2**20:.1f} MiB vs "
+                   f"{mem['fp32_bytes'] / 2**20:.1f} MiB as fp32; KV cache "
+                   f"{gen.cache.nbytes() / 2**20:.1f} MiB ({kv_cache})]", err=True)
 
 
 @click.command()
 @device_option
 @model_option
 @click.option("--adapter", required=True, help="vkdsl run folder, PEFT folder or GGUF adapter")
-@click.option("--out", "out", required=True, type=click.Path(), help="merged GGUF file (or folder for HF bases)")
-@click.option("--out-type", type=click.Choice(["f32", "f16", "keep"]), default="f16", show_default=True,
-              help="merged tensors as f32/f16, or re-quantized to the base's block type (loss reported)")
+@click.option("--out", "out", required=True, type=click.Path(),
+              help="merged GGUF file (or folder for HF bases)")
+@click.option("--out-type", type=click.Choice(["f32", "f16", "keep"]), default="f16",
+              show_default=True,
+              help="merged tensors as f32/f16, or re-quantized to the base's block type (loss "
+                   "reported)")
 @click.option("--compare", "compare_text", default="The capital of France is",
               help="prompt on which merged and separate logits are compared")
 @click.option("--force", is_flag=True, help="merge an adapter whose manifest names another base")
@@ -152,8 +162,9 @@ def merge(device, model_path, adapter, out, out_type, compare_text, force, as_js
         click.echo(json.dumps(report, default=str))
         return
     c = report["compare"]
-    click.echo(f"wrote {out} ({out_type}); merged vs separate on {c['positions']} positions: max |dlogit| "
-               f"{c['max_abs_diff']:.3g} (relative {c['rel_diff']:.2e}), argmax agreement {c['argmax_agreement']:.3f}")
+    click.echo(f"wrote {out} ({out_type}); merged vs separate on {c['positions']} positions: max "
+               f"|dlogit| {c['max_abs_diff']:.3g} (relative {c['rel_diff']:.2e}), argmax agreement "
+               f"{c['argmax_agreement']:.3f}")
     for k in ("max_requant_rel_err", "mean_requant_rel_err", "warning"):
         if k in report:
             click.echo(f"  {k}: {report[k]}")
@@ -169,20 +180,23 @@ FAMILY = {"llama": "Llama (SmolLM2, Llama 2/3.x)", "mistral": "Mistral (no slidi
 @model_option
 @click.option("--json", "as_json", is_flag=True)
 def info(device, model_path, as_json):
-    """Model family, hyper-parameters, tokenizer and the bytes its weights occupy on the device vs fp32."""
+    """Model family, hyper-parameters, tokenizer and the bytes its weights occupy on the device vs
+    fp32."""
     open_device(device, announce=not as_json)
     model, tok = _load_model(model_path)
     mem = model.device_bytes()
     c = model.cfg
     row = {"model": model.source, "format": model.format, "family": FAMILY[c.arch], **c.to_dict(),
            "stored_types": model.stored_types, "tokenizer_vocab": tok.vocab_size,
-           "chat_template": bool(tok.chat_template), "end_of_turn": tok.id_to_token(tok.end_of_turn_id)
+           "chat_template": bool(tok.chat_template),
+           "end_of_turn": tok.id_to_token(tok.end_of_turn_id)
            if tok.end_of_turn_id is not None else None, **mem}
     if as_json:
         click.echo(json.dumps(row, default=str))
     else:
         d = row.pop("rope_freq_divisors", None)
-        row["rope_scaling"] = (f"{len(d)} frequency divisors, {min(d):g} .. {max(d):g} (Llama 3 style)" if d
+        row["rope_scaling"] = (f"{len(d)} frequency divisors, {min(d):g} .. {max(d):g} "
+                               f"(Llama 3 style)" if d
                                else "none")
         row["stored_types"] = ", ".join(f"{t} x{n}" for t, n in row["stored_types"].items())
         for k, v in row.items():

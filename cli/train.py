@@ -23,7 +23,8 @@ from vkdsl.train import config as C
 from .common import GATE_FAILED, USER_ERRORS, _set_profile, open_device, user_error_line
 
 TYPES = {bool: None, int: click.INT, float: click.FLOAT, str: click.STRING, list: click.STRING}
-VERIFY_MATCH = ("matmul", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu", "cross", "tmkl", "lora")
+VERIFY_MATCH = ("matmul", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu", "cross",
+                "tmkl", "lora")
 
 
 def _option(name: str) -> click.Option:
@@ -64,11 +65,13 @@ def _verify(rep, precision, tokens):
     rep.say(f"verify: {len(rows) - len(bad)}/{len(rows)} kernel checks pass on this device "
             f"({time.perf_counter() - t0:.1f}s)")
     if bad:
-        raise SystemExit("verify failed: " + "; ".join(f"{r.op} {r.name}: {r.note or r.error}" for r in bad[:5]))
+        raise SystemExit("verify failed: "
+                         + "; ".join(f"{r.op} {r.name}: {r.note or r.error}" for r in bad[:5]))
 
 
 def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
-    """The run's settings and folder: defaults <- TOML <- flags, or a resumed run's own config <- flags."""
+    """The run's settings and folder: defaults <- TOML <- flags, or a resumed run's own config <-
+    flags."""
     if resume:
         saved = Path(resume) / "config.json"
         if not saved.is_file():
@@ -78,10 +81,11 @@ def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise C.ConfigError(f"{saved}: not the run's settings as JSON ({e})") from None
         if not isinstance(values, dict):
-            raise C.ConfigError(f"{saved}: expected an object of settings, found {type(values).__name__}")
+            raise C.ConfigError(f"{saved}: expected an object of settings, found "
+                                f"{type(values).__name__}")
         if config_path:
-            raise C.ConfigError(f"--resume {resume} runs with its own config.json; --config {config_path} would "
-                                f"replace it (give changed settings as flags)")
+            raise C.ConfigError(f"--resume {resume} runs with its own config.json; --config "
+                                f"{config_path} would replace it (give changed settings as flags)")
         return C.load(None, {**values, **over}), resume
     cfg = C.load(config_path, over)
     cfg.out = cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
@@ -94,13 +98,14 @@ def _fresh_folder(out: str, overwrite: bool):
     path = Path(out)
     if not path.is_dir() or not any(path.iterdir()):
         return
-    leftovers = {p.name for p in path.iterdir()} <= {"train.log"}      # a run killed before config.json
+    leftovers = {p.name for p in path.iterdir()} <= {"train.log"}  # a run killed before config.json
     if not overwrite:
         of_a_run = " of a run" if (path / "config.json").is_file() else ""
-        raise C.ConfigError(f"--out {out} already holds files{of_a_run}: continue it with --resume {out}, "
-                            f"or start over with --overwrite (which empties it)")
+        raise C.ConfigError(f"--out {out} already holds files{of_a_run}: continue it with "
+                            f"--resume {out}, or start over with --overwrite (which empties it)")
     if not ((path / "config.json").is_file() or leftovers):
-        raise C.ConfigError(f"--overwrite: {out} is not a run folder (no config.json); refusing to empty it")
+        raise C.ConfigError(f"--overwrite: {out} is not a run folder (no config.json); refusing "
+                            f"to empty it")
     import shutil
     for p in path.iterdir():
         if p.is_dir() and not p.is_symlink():
@@ -113,7 +118,8 @@ def _record_changes(cfg, out, rep):
     """Settings a resume changes (against the folder's config.json, which settings() has read):
     printed, and config.json rewritten (atomically) to what now runs."""
     saved = C.load(None, json.loads((Path(out) / "config.json").read_text(encoding="utf-8")))
-    changed = [(k, getattr(saved, k), getattr(cfg, k)) for k in C.FIELDS if getattr(saved, k) != getattr(cfg, k)]
+    changed = [(k, getattr(saved, k), getattr(cfg, k)) for k in C.FIELDS
+               if getattr(saved, k) != getattr(cfg, k)]
     for k, old, new in changed:
         rep.outcome(f"resume: {k} changed from {json.dumps(old)} to {json.dumps(new)} (given now)")
     if changed:
@@ -132,8 +138,8 @@ def _ranks(g, cfg, out):
     distributed.same_settings(g, cfg.dumps() + f"\nprofile {profile}")
     distributed.pick_device(g)
     dev = open_device(None, announce=False).info
-    mine = (f"rank {g.rank}: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info}), profile {profile}, "
-            f"precision {cfg.precision}")
+    mine = (f"rank {g.rank}: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info}), profile "
+            f"{profile}, precision {cfg.precision}")
     table = g.allgather(mine)
     if g.root:
         click.echo(f"vkdsl-train: {g.size} processes over MPI, one adapter; global batch "
@@ -155,7 +161,8 @@ def _plan(cfg) -> int:
     from vkdsl.train.trainer import run
     open_device(None)
     cfg.quiet = False
-    with tempfile.TemporaryDirectory(prefix="vkdsl-plan-") as scratch, matmul_precision(cfg.precision):
+    with (tempfile.TemporaryDirectory(prefix="vkdsl-plan-") as scratch,
+          matmul_precision(cfg.precision)):
         run(cfg, scratch, plan_only=True)
     return 0
 
@@ -169,11 +176,11 @@ def _run(config_path, resume, over, mode="auto", overwrite=False, plan=False) ->
     from vkdsl.environment import check_environment
     check_environment()                     # a bad $VKDSL_*: one line before any work
     cfg, out = settings(config_path, resume, over)
-    say = Reporter(None, cfg.quiet, cfg.jsonl)     # before the run's own (it logs to the run folder)
+    say = Reporter(None, cfg.quiet, cfg.jsonl)  # before the run's own (it logs to the run folder)
     env_precision = os.environ.get("VKDSL_PRECISION", "").strip()
     if env_precision and env_precision != cfg.precision:
-        say.say(f"VKDSL_PRECISION={env_precision} is set; this run computes at its precision setting, "
-                f"{cfg.precision} (--precision)")
+        say.say(f"VKDSL_PRECISION={env_precision} is set; this run computes at its precision "
+                f"setting, {cfg.precision} (--precision)")
     if plan:
         return _plan(cfg)
     g = distributed.group(mode)
@@ -185,7 +192,8 @@ def _run(config_path, resume, over, mode="auto", overwrite=False, plan=False) ->
     devices = None
     if g.size > 1:
         out, devices = _ranks(g, cfg, out)
-    dev = open_device(None)                 # a device that is not there fails before the model loads
+    # a device that is not there fails before the model loads
+    dev = open_device(None)
     if cfg.precision == "fp16":             # and so does one with no fp16 matmul
         from vkdsl.matmul import fp16_choice
         say.say("precision fp16: matmul variant %s, %s" % fp16_choice(dev))
@@ -202,7 +210,8 @@ def _run(config_path, resume, over, mode="auto", overwrite=False, plan=False) ->
             import shutil
             shutil.rmtree(out, ignore_errors=True)
     from vkdsl.trace import BUILT
-    r.r.outcome(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training {r.train_seconds:.0f}s; "
+    r.r.outcome(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training "
+                f"{r.train_seconds:.0f}s; "
             f"{BUILT['programs']} device programs built in {BUILT['seconds']:.0f}s)")
     return 0 if all(g.passed for g in r.gates) else GATE_FAILED
 
@@ -234,14 +243,19 @@ train = click.Command(
             click.Option(["--resume"], type=click.Path(file_okay=False), default=None,
                          help="continue the run in this folder from its last checkpoint"),
             click.Option(["--overwrite"], is_flag=True, default=False,
-                         help="start a new run in an --out folder that holds an earlier run, emptying it first"),
-            click.Option(["--distributed"], type=click.Choice(["auto", "mpi", "none"]), default="auto",
-                         show_default=True, help="data-parallel over MPI: auto = when started by mpirun"),
+                         help="start a new run in an --out folder that holds an earlier run, "
+                              "emptying it first"),
+            click.Option(["--distributed"], type=click.Choice(["auto", "mpi", "none"]),
+                         default="auto", show_default=True,
+                         help="data-parallel over MPI: auto = when started by mpirun"),
             click.Option(["--plan"], is_flag=True, default=False,
-                         help="print the run's device-memory plan (weights, step, prefix, evaluation) against its "
-                              "budget (--device-memory) and exit: nothing is trained"),
-            click.Option(["--profile"], default=None, metavar="NAME", expose_value=False, callback=_set_profile,
-                         help="capability profile: run as a device of this class would (see vkdsl devices)")]
+                         help="print the run's device-memory plan (weights, step, prefix, "
+                              "evaluation) against its budget (--device-memory) and exit: nothing "
+                              "is trained"),
+            click.Option(["--profile"], default=None, metavar="NAME", expose_value=False,
+                         callback=_set_profile,
+                         help="capability profile: run as a device of this class would (see "
+                              "vkdsl devices)")]
     + [_option(name) for name in C.FIELDS])
 
 
@@ -249,13 +263,15 @@ train = click.Command(
 @click.argument("run_dir", type=click.Path(file_okay=False))
 @click.argument("other", type=click.Path(file_okay=False), required=False)
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
-              help="with two runs: the comparison page's path [default: RUN_DIR/compare-OTHER.html]")
+              help="with two runs: the comparison page's path [default: "
+                   "RUN_DIR/compare-OTHER.html]")
 def report(run_dir, other, out):
-    """Rebuild RUN_DIR/report.html (self-contained: inline SVG, no network, no script); with a second
-    run folder, write a page comparing the two side by side."""
+    """Rebuild RUN_DIR/report.html (self-contained: inline SVG, no network, no script); with a
+    second run folder, write a page comparing the two side by side."""
     from vkdsl.train.report import build_report, compare_report
     try:
-        click.echo(f"wrote {compare_report(run_dir, other, out) if other else build_report(run_dir)}")
+        click.echo(
+            f"wrote {compare_report(run_dir, other, out) if other else build_report(run_dir)}")
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e))
 
@@ -276,7 +292,8 @@ def _boolean_with_a_value(argv):
     for a, b in zip(argv, argv[1:]):
         if a in flags and b.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
             no = "--no-" + a[2:]
-            return f"{a} takes no value: write {a} to turn it on or {no} to turn it off (not {a} {b})"
+            return (f"{a} takes no value: write {a} to turn it on or {no} to turn it off "
+                    f"(not {a} {b})")
     return None
 
 

@@ -1,4 +1,5 @@
-"""vkdsl tune: measure the CPU matmul kernels' tiles on a job's shapes, keep the winners per device."""
+"""vkdsl tune: measure the CPU matmul kernels' tiles on a job's shapes, keep the winners per
+device."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,8 @@ def _shape(text: str) -> tuple:
     m = SHAPE.match(text)
     if not m or (m.group(1) != "matmul" and m.group(2) not in ("nt", "nn")):
         raise click.BadParameter(f"{text!r}: expected OP:FORM:MxNxK, e.g. matmul:nt:1024x8x576 or "
-                                 f"qmatmul:q4_1:nt:1024x576x576 (qmatmul forms: nt, nn)", param_hint="--shape")
+                                 f"qmatmul:q4_1:nt:1024x576x576 (qmatmul forms: nt, nn)",
+                                 param_hint="--shape")
     return (m.group(1), m.group(2), *(int(m.group(i)) for i in (3, 4, 5)))
 
 
@@ -29,8 +31,8 @@ def _shapes_of(job: str) -> list[tuple]:
     with tempfile.TemporaryDirectory() as tmp:
         where = os.path.join(tmp, "shapes.jsonl")
         click.echo(f"running {job!r} once to list its matmul shapes")
-        run_job(job, cmd, dict(os.environ, VKDSL_TUNE_RECORD=where, VKDSL_TUNING="0"), "nothing tuned",
-                stdout=subprocess.DEVNULL)
+        run_job(job, cmd, dict(os.environ, VKDSL_TUNE_RECORD=where, VKDSL_TUNING="0"),
+                "nothing tuned", stdout=subprocess.DEVNULL)
         if not os.path.exists(where):
             return []
         with open(where) as f:
@@ -40,14 +42,16 @@ def _shapes_of(job: str) -> list[tuple]:
 @click.command("tune")
 @device_option
 @click.option("--for", "jobs", multiple=True, metavar='"COMMAND"',
-              help='tune the shapes this vkdsl or vkdsl-train command line plans (it runs once; repeatable)')
+              help='tune the shapes this vkdsl or vkdsl-train command line plans (it runs once; '
+                   'repeatable)')
 @click.option("--shape", "shapes", multiple=True, metavar="OP:FORM:MxNxK",
               help="one shape: matmul:nt:1024x8x576, qmatmul:q4_1:nn:1024x576x1536 (repeatable)")
 @click.option("--rounds", type=click.IntRange(1, 50), default=3, show_default=True,
               help="timing rounds per shape (best of)")
 @click.option("--show", is_flag=True, help="print this device's tuning file and exit")
 def tune(device, jobs, shapes, rounds, show):
-    """Time every tile of the CPU matmul kernels on a job's shapes; keep the fastest per shape class.
+    """Time every tile of the CPU matmul kernels on a job's shapes; keep the fastest per shape
+    class.
 
     The winners go to this device's tuning file (vkdsl.tuning), which every later run reads; a
     tile is kept only when its output equals the default's bit for bit. Example:

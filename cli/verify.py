@@ -24,13 +24,15 @@ def picked_cases(spec, match=None) -> list:
 
 
 def case_pairs(spec="builtin", match=None, root=None) -> list:
-    """(case, arrays, stale note) of every case of spec whose name contains match: against the goldens
-    in root (the installed ones for the built-in cases), else the float64 references computed here."""
+    """(case, arrays, stale note) of every case of spec whose name contains match: against the
+    goldens in root (the installed ones for the built-in cases), else the float64 references
+    computed here."""
+    from vkdsl import case_goldens as G
     from vkdsl import cases as C
     picked = picked_cases(spec, match)
     if root is None and spec != C.BUILTIN:
-        return C.with_references(picked)
-    return C.with_goldens(picked, root)
+        return G.with_references(picked)
+    return G.with_goldens(picked, root)
 
 
 def run_verify(match=None, root=None, repeat_warm=True, spec="builtin"):
@@ -48,18 +50,24 @@ def _given(name) -> bool:
 @device_option
 @json_option
 @click.option("--cases", "spec", default="builtin", metavar="FILE",
-              help="a Python file of vkdsl.cases.Case (its CASES list), or 'builtin': vkdsl's own rows (default)")
+              help="a Python file of vkdsl.cases.Case (its CASES list), or 'builtin': vkdsl's own "
+                   "rows (default)")
 @click.option("--match", default=None, help="only cases whose name contains this text")
 @click.option("--golden", "root", default=None, type=click.Path(file_okay=False),
-              help="folder holding v1/ (vkdsl golden make): check against these stored outputs (default: the "
-                   "goldens installed with vkdsl for builtin, the float64 references computed here for a file)")
-@click.option("--all-devices", is_flag=True, help="every Vulkan device present, each in its own process")
-@click.option("--all-profiles", is_flag=True, help="the device as it is and as each capability profile")
+              help="folder holding v1/ (vkdsl golden make): check against these stored outputs "
+                   "(default: the goldens installed with vkdsl for builtin, the float64 references "
+                   "computed here for a file)")
+@click.option("--all-devices", is_flag=True,
+              help="every Vulkan device present, each in its own process")
+@click.option("--all-profiles", is_flag=True,
+              help="the device as it is and as each capability profile")
 @click.option("--junit", "junit", default=None, type=click.Path(dir_okay=False),
               help="also write JUnit XML here: one test case per row per device and profile")
-@click.option("--no-warm", is_flag=True, help="skip the second, warm pass (it only times the cached programs)")
+@click.option("--no-warm", is_flag=True,
+              help="skip the second, warm pass (it only times the cached programs)")
 def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit, no_warm):
-    """Check kernels on the device against float64 references: vkdsl's own, or your cases (--cases)."""
+    """Check kernels on the device against float64 references: vkdsl's own, or your cases
+    (--cases)."""
     from vkdsl.fileio import atomic_write
     from .verify_report import Target, junit_xml, print_matrix, print_table, run_targets
     if all_devices and device is not None:
@@ -68,19 +76,22 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit,
         raise click.UsageError("--profile and --all-profiles: give one")
     if all_devices or all_profiles:
         import tempfile
+        from vkdsl import case_goldens as G
         from vkdsl import cases as C
         from vkdsl.runtime.device import list_devices, select
         from vkdsl.runtime.profiles import PROFILES
         devs = ([(str(d.index), f"[{d.index}] {d.name}") for d in list_devices()] if all_devices
                 else [(device, "[{0.index}] {0.name}".format(select(device)))])
-        profs = [("none", "as it is")] + [(p, f"profile {p}") for p in PROFILES] if all_profiles else [(None, "")]
-        targets = [Target(" / ".join(x for x in (dl, pl) if x), d, p) for d, dl in devs for p, pl in profs]
+        profs = ([("none", "as it is")] + [(p, f"profile {p}") for p in PROFILES] if all_profiles
+                 else [(None, "")])
+        targets = [Target(" / ".join(x for x in (dl, pl) if x), d, p) for d, dl in devs
+                   for p, pl in profs]
         with tempfile.TemporaryDirectory(prefix="vkdsl-verify-") as tmp:
-            if root is None and spec != C.BUILTIN:      # the float64 references once, for every target
+            if root is None and spec != C.BUILTIN:  # the float64 references once, for every target
                 picked = picked_cases(spec, match)
                 if not picked:
                     raise click.ClickException(f"{spec}: no case matches {match!r}")
-                C.make_goldens(picked, tmp)
+                G.make_goldens(picked, tmp)
                 root = tmp
             shared = ["--cases", spec, "--no-warm"] + (["--match", match] if match else []) + \
                 (["--golden", root] if root else [])
@@ -90,7 +101,8 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit,
                 for r in t.rows:
                     click.echo(json.dumps({"target": t.label, **r.as_dict()}))
                 click.echo(json.dumps({"summary": True, "target": t.label, "error": t.error or None,
-                                       "rows": len(t.rows), "failed": sum(not r.passed for r in t.rows)}))
+                                       "rows": len(t.rows),
+                                       "failed": sum(not r.passed for r in t.rows)}))
         else:
             print_matrix(targets)
         failed = any(t.error or not t.rows or any(not r.passed for r in t.rows) for t in targets)
@@ -99,12 +111,13 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit,
         rows, times = run_verify(match, root, repeat_warm=not no_warm, spec=spec)
         from vkdsl.runtime.profiles import named
         prof = named()
-        targets = [Target(f"[{dev.info.index}] {dev.info.name}" + (f" / profile {prof.name}" if prof else ""),
-                          rows=rows, times=times)]
+        targets = [Target(f"[{dev.info.index}] {dev.info.name}"
+                          + (f" / profile {prof.name}" if prof else ""), rows=rows, times=times)]
         if as_json:
             for r in rows:
                 click.echo(json.dumps(r.as_dict()))
-            click.echo(json.dumps({"summary": True, "rows": len(rows), "failed": sum(not r.passed for r in rows),
+            click.echo(json.dumps({"summary": True, "rows": len(rows),
+                                   "failed": sum(not r.passed for r in rows),
                                    "not_applicable": sum(not r.applicable for r in rows), **times}))
         else:
             print_table(rows, times)
@@ -118,31 +131,37 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit,
 
 @click.group()
 def golden():
-    """Goldens of your own cases: inputs and float64 outputs stored, checked without the reference."""
+    """Goldens of your own cases: inputs and float64 outputs stored, checked without the
+    reference."""
 
 
 @golden.command("make")
-@click.option("--cases", "spec", required=True, metavar="FILE", help="a Python file of vkdsl.cases.Case")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="folder to write v1/ into")
+@click.option("--cases", "spec", required=True, metavar="FILE",
+              help="a Python file of vkdsl.cases.Case")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="folder to write v1/ into")
 @click.option("--match", default=None, help="only cases whose name contains this text")
 def golden_make(spec, out, match):
-    """Store each case's inputs and float64 reference outputs (sha256 manifest, vkdsl's golden format)."""
-    from vkdsl import cases as C
+    """Store each case's inputs and float64 reference outputs (sha256 manifest, vkdsl's golden
+    format)."""
+    from vkdsl import case_goldens as G
     picked = picked_cases(spec, match)
     if not picked:
         raise click.ClickException(f"{spec}: no case matches {match!r}")
-    man = C.make_goldens(picked, out)
-    click.echo(f"wrote {len(man['cases'])} goldens to {out}/v1; check them with: vkdsl verify --cases {spec} "
-               f"--golden {out}")
+    man = G.make_goldens(picked, out)
+    click.echo(f"wrote {len(man['cases'])} goldens to {out}/v1; check them with: vkdsl verify "
+               f"--cases {spec} --golden {out}")
 
 
 @click.command("compile")
 @device_option
 @click.option("--bundle", "bundle", required=True, type=click.Path(file_okay=False),
-              help="folder to write every built-in kernel's SPIR-V to (kernels already there are kept)")
+              help="folder to write every built-in kernel's SPIR-V to (kernels already there "
+                   "are kept)")
 @click.option("--for", "jobs", multiple=True, metavar='"COMMAND"',
-              help='also every kernel this vkdsl or vkdsl-train command line uses: it runs once, for real, '
-                   'recording what it compiles (repeatable), e.g. --for "vkdsl-train --config job.toml"')
+              help='also every kernel this vkdsl or vkdsl-train command line uses: it runs once, '
+                   'for real, recording what it compiles (repeatable), e.g. --for "vkdsl-train '
+                   '--config job.toml"')
 def compile_(device, bundle, jobs):
     """Write a SPIR-V bundle; run elsewhere with VKDSL_SPIRV_BUNDLE=DIR and no shader compiler."""
     dev = open_device(device)
@@ -169,10 +188,11 @@ def _job_command(job: str) -> list[str]:
     except ValueError as e:
         raise click.BadParameter(f"{job!r}: {e}", param_hint="--for") from None
     if not argv or argv[0] not in ("vkdsl", "vkdsl-train") or argv[1:2] == ["compile"]:
-        raise click.BadParameter(f"{job!r}: expected a vkdsl or vkdsl-train command line (not vkdsl compile)",
-                                 param_hint="--for")
+        raise click.BadParameter(f"{job!r}: expected a vkdsl or vkdsl-train command line (not "
+                                 f"vkdsl compile)", param_hint="--for")
     _check_parses(job, argv)
-    return [sys.executable, "-m", "vkdsl.cli"] + (["train"] if argv[0] == "vkdsl-train" else []) + argv[1:]
+    return ([sys.executable, "-m", "vkdsl.cli"] + (["train"] if argv[0] == "vkdsl-train" else [])
+            + argv[1:])
 
 
 def _check_parses(job: str, argv: list[str]):
@@ -183,13 +203,14 @@ def _check_parses(job: str, argv: list[str]):
         cmd, args, name = group, (["train"] if argv[0] == "vkdsl-train" else []) + argv[1:], "vkdsl"
         while isinstance(cmd, click.Group):
             if not args or args[0].startswith("-"):
-                raise click.UsageError(f"expected a command of {name}: {', '.join(cmd.list_commands(None))}")
+                raise click.UsageError(f"expected a command of {name}: "
+                                       f"{', '.join(cmd.list_commands(None))}")
             sub = cmd.get_command(click.Context(cmd), args[0])
             if sub is None:
                 raise click.UsageError(f"no command {args[0]!r} in {name}")
             cmd, args, name = sub, args[1:], f"{name} {args[0]}"
         ctx = cmd.make_context(name, list(args))
-        if name == "vkdsl train":            # and a new run's settings load (a resume's are its own)
+        if name == "vkdsl train":  # and a new run's settings load (a resume's are its own)
             from vkdsl.train import config as C
             p = {k: v for k, v in ctx.params.items() if v is not None}
             if not p.get("resume"):
@@ -218,7 +239,8 @@ def _record(bundle, job, cmd) -> int:
     env = {k: v for k, v in os.environ.items() if k != "VKDSL_SPIRV_BUNDLE"}
     env["VKDSL_SPIRV_RECORD"] = os.path.abspath(bundle)
     click.echo(f"recording {job!r} (it runs once)")
-    run_job(job, cmd, env, "the bundle keeps the kernels it used before failing, and does not list the job")
+    run_job(job, cmd, env,
+            "the bundle keeps the kernels it used before failing, and does not list the job")
     return B.add(bundle, {}, {"jobs": [job]})
 
 
@@ -251,8 +273,9 @@ def _demo(quiet=False):
     prog = mlp.program(x)
     if not quiet:
         click.echo(f"demo: traced MLP 256x64 -> 128 -> 10 + softmax: {len(prog.steps)} kernels, "
-                   f"{prog.recording.n_barriers} barriers; first call {first * 1e3:.0f} ms (trace, compile, "
-                   f"record), replay {replay * 1e3:.2f} ms; max |p - numpy float64| = {err:.1e}")
+                   f"{prog.recording.n_barriers} barriers; first call {first * 1e3:.0f} ms (trace, "
+                   f"compile, record), replay {replay * 1e3:.2f} ms; max |p - numpy float64| = "
+                   f"{err:.1e}")
     if err > 1e-5:
         raise click.ClickException(f"demo result differs from numpy by {err}")
 

@@ -23,7 +23,7 @@ class Target:
     profile: str | None = None          # --profile of the child (None: $VKDSL_PROFILE as it is)
     rows: list = field(default_factory=list)
     times: dict = field(default_factory=dict)
-    error: str = ""                     # the target could not be checked at all (its process failed)
+    error: str = ""  # the target could not be checked at all (its process failed)
 
 
 def result(r: Row) -> str:
@@ -35,7 +35,8 @@ def print_table(rows, times):
     click.echo(f"{'case':<{w}}  {'shape':>14}  {'error':>9}  {'limit':>9}  measure  result")
     for r in rows:
         if not r.applicable:
-            click.echo(f"{r.name:<{w}}  {'':>14}  {'':>9}  {r.limit:9.1e}  {r.measure:<7}  n/a: {r.note}")
+            click.echo(f"{r.name:<{w}}  {'':>14}  {'':>9}  {r.limit:9.1e}  {r.measure:<7}  "
+                       f"n/a: {r.note}")
             continue
         click.echo(f"{r.name:<{w}}  {r.shape:>14}  {r.error:9.2e}  {r.limit:9.1e}  {r.measure:<7}  "
                    + ("pass" if r.passed else "FAIL " + r.note))
@@ -69,7 +70,8 @@ def run_targets(targets: list[Target], argv: list[str]) -> list[Target]:
                 t.rows.append(Row.from_dict(obj))
         if p.returncode not in (0, 1) or not t.times:
             lines = p.stderr.strip().splitlines() or ["no output"]
-            said = next((ln.removeprefix("Error: ") for ln in lines if ln.startswith("Error: ")), lines[-1])
+            said = next((ln.removeprefix("Error: ") for ln in lines if ln.startswith("Error: ")),
+                        lines[-1])
             t.error = f"verify exited {p.returncode} on this target: {said}"
     return targets
 
@@ -114,7 +116,8 @@ def junit_xml(targets: list[Target]) -> bytes:
                 counts["failures"] += 1
                 msg = (f"{r.measure} {r.error:.3e} > limit {r.limit:.3e}" if not r.note
                        else f"{r.note} (limit {r.measure} {r.limit:.3e})")
-                ET.SubElement(case, "failure", message=msg, type=r.measure).text = f"limit's reason: {r.reason}"
+                ET.SubElement(case, "failure", message=msg,
+                              type=r.measure).text = f"limit's reason: {r.reason}"
         if t.error:
             counts["tests"] += 1
             counts["errors"] += 1

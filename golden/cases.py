@@ -61,11 +61,15 @@ def shp(shape) -> str:
 UNARY_DOMAINS = {   # op -> (typical sampler, [(tag, extreme sampler)])
     "neg": (lambda r, s: N(r, s), [("mag=1e4", lambda r, s: U(r, s, -1e4, 1e4))]),
     "exp": (lambda r, s: U(r, s, -5, 5), [("range=-80..80", lambda r, s: U(r, s, -80, 80))]),
-    "log": (lambda r, s: LOGU(r, s, -2, 2), [("range=1e-30..1e30", lambda r, s: LOGU(r, s, -30, 30))]),
-    "sqrt": (lambda r, s: LOGU(r, s, -2, 2), [("range=1e-30..1e30", lambda r, s: LOGU(r, s, -30, 30))]),
-    "rsqrt": (lambda r, s: LOGU(r, s, -2, 2), [("range=1e-30..1e30", lambda r, s: LOGU(r, s, -30, 30))]),
+    "log": (lambda r, s: LOGU(r, s, -2, 2),
+            [("range=1e-30..1e30", lambda r, s: LOGU(r, s, -30, 30))]),
+    "sqrt": (lambda r, s: LOGU(r, s, -2, 2),
+             [("range=1e-30..1e30", lambda r, s: LOGU(r, s, -30, 30))]),
+    "rsqrt": (lambda r, s: LOGU(r, s, -2, 2),
+              [("range=1e-30..1e30", lambda r, s: LOGU(r, s, -30, 30))]),
     "tanh": (lambda r, s: N(r, s, 2.0), [("range=-30..30", lambda r, s: U(r, s, -30, 30)),
-                                         ("range=1e-8..1e-2", lambda r, s: SIGNED(r, LOGU(r, s, -8, -2)))]),
+                                         ("range=1e-8..1e-2",
+                                          lambda r, s: SIGNED(r, LOGU(r, s, -8, -2)))]),
 }
 
 
@@ -124,7 +128,8 @@ def _ulp_pairs(rng):
 def compare_select_cases():
     out = [
         Case("cmplt[7x33+7x33]", "cmplt", {}, lambda r: _no_ties(N(r, (7, 33)), N(r, (7, 33)))),
-        Case("cmplt[3x1x7+1x33x7]", "cmplt", {}, lambda r: _no_ties(N(r, (3, 1, 7)), N(r, (1, 33, 7)))),
+        Case("cmplt[3x1x7+1x33x7]", "cmplt", {},
+             lambda r: _no_ties(N(r, (3, 1, 7)), N(r, (1, 33, 7)))),
         Case("cmplt[0d+1023]", "cmplt", {}, lambda r: _no_ties(N(r, ()), N(r, (1023,)))),
         Case("cmplt[1023+1023,mag=1e4]", "cmplt", {},
              lambda r: _no_ties(U(r, (1023,), -1e4, 1e4), U(r, (1023,), -1e4, 1e4))),
@@ -158,7 +163,8 @@ MATMUL_SHAPES = [(1, 1, 1), (3, 7, 33), (33, 1023, 7), (64, 64, 64), (7, 33, 102
 
 
 def _mm_inputs(rng, m, k, n, ta, tb, batch=()):
-    """A (.., M, K) / B (.., K, N) stored as the op reads them: ta -> (.., K, M), tb -> (.., N, K)."""
+    """A (.., M, K) / B (.., K, N) stored as the op reads them: ta -> (.., K, M), tb -> (.., N,
+    K)."""
     a = U(rng, batch + ((k, m) if ta else (m, k)), -1, 1)
     b = U(rng, batch + ((n, k) if tb else (k, n)), -1, 1)
     return [a, b]
@@ -194,7 +200,8 @@ def layout_cases():
     out.append(Case("gather[1023x64,n=129]", "gather", {},
                     lambda r: [N(r, (1023, 64)), idx_big(r)]))
     out.append(Case("fused_chain[33x1023+1023+33x1]", "fused_chain", {},
-                    lambda r: [U(r, (33, 1023), -2, 2), U(r, (1023,), -2, 2), U(r, (33, 1), -1, 1)]))
+                    lambda r: [U(r, (33, 1023), -2, 2), U(r, (1023,), -2, 2),
+                               U(r, (33, 1), -1, 1)]))
     out.append(Case("fused_chain[3x7+7+3x1]", "fused_chain", {},
                     lambda r: [U(r, (3, 7), -2, 2), U(r, (7,), -2, 2), U(r, (3, 1), -1, 1)]))
     return out
@@ -245,7 +252,8 @@ def loss_cases():
           ("5x257,mag=30", 5, 257, 30.0, [(3, -100)])]
     for tag, n, v, scale, force in ce:
         out.append(Case(f"cross_entropy[{tag}]", "cross_entropy", {"ignore_index": -100},
-                        lambda r, n=n, v=v, s=scale, f=force: [N(r, (n, v), s), _labels(r, n, v, 0.2, f)],
+                        lambda r, n=n, v=v, s=scale, f=force: [
+                            N(r, (n, v), s), _labels(r, n, v, 0.2, f)],
                         ()))
     for n, v in [(7, 33), (3, 1023)]:
         out.append(Case(f"kl[{n}x{v}]", "kl", {},
@@ -260,7 +268,8 @@ def loss_cases():
         if same:
             return [pc, pr, pc.copy(), pr.copy()]
         return [pc, pr, pc + N(r, (n,), spread), pr + N(r, (n,), spread)]
-    for tag, n, beta, same, spread in [("n=5", 5, 0.1, False, 3.0), ("n=3,policy=ref", 3, 0.1, True, 0),
+    for tag, n, beta, same, spread in [("n=5", 5, 0.1, False, 3.0),
+                                       ("n=3,policy=ref", 3, 0.1, True, 0),
                                        ("n=7,wide", 7, 1.0, False, 40.0)]:
         out.append(Case(f"dpo[{tag}]", "dpo", {"beta": beta},
                         lambda r, n=n, s=same, sp=spread: dpo_in(r, n, s, sp), ()))
@@ -274,7 +283,8 @@ def layer_cases():
                                                ("7x33x17,r=4,B=0", 7, 33, 17, 4, 2.0, True)]:
         def mk(r, n=n, din=din, dout=dout, rank=rank, zb=zero_b):
             b = np.zeros((rank, dout), np.float32) if zb else N(r, (rank, dout), 0.1)
-            return [N(r, (n, din)), N(r, (din, dout), 1.0 / math.sqrt(din)), N(r, (din, rank), 0.1), b]
+            return [N(r, (n, din)), N(r, (din, dout), 1.0 / math.sqrt(din)), N(r, (din, rank), 0.1),
+                    b]
         out.append(Case(f"lora_linear[{tag}]", "lora_linear", {"s": s}, mk, (n, dout)))
     for tag, shape, scale in [("7x33", (7, 33), 1.0), ("3x576", (3, 576), 1.0),
                               ("4x64,small", (4, 64), 1e-3)]:
@@ -282,7 +292,8 @@ def layer_cases():
                         lambda r, s=shape, k=scale: [N(r, s, k), U(r, s[-1:], 0.5, 1.5)], shape))
     for tag, shape, base, pos in [("7x3x64", (7, 3, 64), 100000.0, list(range(7))),
                                   ("33x1x64", (33, 1, 64), 100000.0, list(range(33))),
-                                  ("5x2x8,pos=mixed", (5, 2, 8), 10000.0, [100, 101, 102, 4095, 0])]:
+                                  ("5x2x8,pos=mixed", (5, 2, 8), 10000.0,
+                                   [100, 101, 102, 4095, 0])]:
         out.append(Case(f"rope[{tag}]", "rope", {"base": base},
                         lambda r, s=shape, p=pos: [N(r, s), I32(p)], shape))
     for tag, shape, fn in [("1023", (1023,), lambda r, s: N(r, s, 4.0)),
@@ -292,15 +303,16 @@ def layer_cases():
         out.append(Case(f"swiglu[{shp(shape)}]", "swiglu", {},
                         lambda r, s=shape: [N(r, s, 3.0), N(r, s)], shape))
     # long windows: the kernels of the short rows' head shapes, at 2048 and 4096 tokens
-    for t, hq, hkv, d in [(1, 2, 1, 8), (7, 6, 2, 16), (5, 2, 2, 8), (17, 9, 3, 64), (70, 4, 2, 16), (130, 6, 2, 32),
-                          (2048, 2, 1, 16), (4096, 2, 1, 8)]:
+    for t, hq, hkv, d in [(1, 2, 1, 8), (7, 6, 2, 16), (5, 2, 2, 8), (17, 9, 3, 64), (70, 4, 2, 16),
+                          (130, 6, 2, 32), (2048, 2, 1, 16), (4096, 2, 1, 8)]:
         out.append(Case(f"attention[{t}x{hq}x{d},kv={hkv}]", "attention", {},
                         lambda r, t=t, hq=hq, hkv=hkv, d=d: [N(r, (t, hq, d)), N(r, (t, hkv, d)),
                                                              N(r, (t, hkv, d))], (t, hq, d)))
     # Qwen3.5's Gated DeltaNet: the chunked delta rule (chunks of 8 over 37 steps; two chunks of 64
     # with padding; the model's head size 128 in one chunk) and its chunk solve
     for t, h, dk, dv, chunk in [(37, 3, 8, 6, 8), (130, 2, 16, 16, 64), (64, 1, 128, 128, 64)]:
-        out.append(Case(f"gated_delta[{t}x{h}x{dk}x{dv},chunk={chunk}]", "gated_delta", {"chunk": chunk},
+        out.append(Case(f"gated_delta[{t}x{h}x{dk}x{dv},chunk={chunk}]", "gated_delta",
+                        {"chunk": chunk},
                         lambda r, t=t, h=h, dk=dk, dv=dv: GD.draw(r, t, h, dk, dv), (1, t, h, dv)))
     for shape in [(6, 7, 7), (4, 64, 64)]:
         out.append(Case(f"tri_inverse[{shp(shape)}]", "tri_inverse", {},
@@ -324,75 +336,9 @@ def optim_cases():
     return out
 
 
-# GGUF block layouts: (bytes per 32-weight block, byte builder)
-def _f16_bytes(x):
-    return np.asarray(x, dtype="<f2").view(np.uint8).reshape(-1, 2)
-
-
-def _q8_0(r, nb):
-    d = SIGNED(r, U(r, (nb,), 1e-4, 1e-2))
-    return np.concatenate([_f16_bytes(d), r.integers(0, 256, (nb, 32)).astype(np.uint8)], 1)
-
-
-def _f16_weights(r, nb):
-    """nb ranges of 32 halves: log-uniform magnitudes over 1e-4..5e4, subnormals and zeros."""
-    w = SIGNED(r, (10.0 ** U(r, (nb * 32,), -4.0, 4.7)).astype(np.float32))
-    w[::7] = 3e-6                    # subnormal in f16
-    w[1::11] = 0.0
-    return _f16_bytes(w).reshape(nb, 64)
-
-
-def _kquant(nbytes, f16_at):
-    """K-quant super-blocks: random code, scale and high-bit bytes; finite f16 scales of either
-    sign at the given byte offsets (d, and dmin right after it for Q4_K / Q5_K)."""
-    def make(r, nb):
-        b = r.integers(0, 256, (nb, nbytes)).astype(np.uint8)
-        for at in f16_at:
-            k = 2 if nbytes == 210 else 4
-            b[:, at:at + k] = _f16_bytes(SIGNED(r, U(r, (nb * k // 2,), 1e-3, 2e-2))).reshape(nb, k)
-        return b
-    return make
-
-
-def _q4_0(r, nb):
-    d = SIGNED(r, U(r, (nb,), 1e-4, 1e-2))
-    return np.concatenate([_f16_bytes(d), r.integers(0, 256, (nb, 16)).astype(np.uint8)], 1)
-
-
-def _q4_1(r, nb):
-    d, m = U(r, (nb,), 1e-4, 1e-2), U(r, (nb,), -0.1, 0.1)
-    return np.concatenate([_f16_bytes(d), _f16_bytes(m),
-                           r.integers(0, 256, (nb, 16)).astype(np.uint8)], 1)
-
-
-def quant_cases():
-    out = []
-    for shape in [(7, 128), (3, 320)]:
-        def mk(r, s=shape):
-            x = N(r, s)
-            if s == (3, 320):
-                x[1, 64:128] = 0.0      # an all-zero group: scale 0, codes 0
-                x[2, 5] = 40.0          # an outlier dominating its group
-            return [x]
-        out.append(Case(f"int4_roundtrip[{shp(shape)}]", "int4_roundtrip", {"group": 64}, mk))
-    for shape in [(3, 128), (257, 64)]:  # 257 blocks -> 2 double-quant blocks, the last partial
-        out.append(Case(f"nf4_roundtrip[{shp(shape)}]", "nf4_roundtrip",
-                        {"block": 64, "scale_block": 256}, lambda r, s=shape: [N(r, s)]))
-    for op, fn in [("dequant_q8_0", _q8_0), ("dequant_q4_0", _q4_0), ("dequant_q4_1", _q4_1),
-                   ("dequant_f16", _f16_weights)]:
-        for rows, cols in [(1, 32), (3, 64), (7, 576)]:
-            out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
-                            lambda r, f=fn, n=rows * cols // 32: [f(r, n).ravel()]))
-    for op, fn in [("dequant_q4_k", _kquant(144, (0,))), ("dequant_q5_k", _kquant(176, (0,))),
-                   ("dequant_q6_k", _kquant(210, (208,)))]:
-        for rows, cols in [(1, 256), (3, 512)]:
-            out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
-                            lambda r, f=fn, n=rows * cols // 256: [f(r, n).ravel()]))
-    return out
-
-
 def all_cases() -> list[Case]:
-    """Every version-1 case but precision fp16's (cases_fp16, which follow them), in manifest order."""
+    """The version-1 cases of the elementwise, reduction, matmul, layout, loss, layer and optimizer
+    ops, in manifest order (cases_gpu.every_case: then the quantized, fp16 and GPU-block ones)."""
     return (unary_cases() + binary_cases() + compare_select_cases() + reduce_cases()
             + matmul_cases() + layout_cases() + softmax_cases()
-            + loss_cases() + layer_cases() + optim_cases() + quant_cases())
+            + loss_cases() + layer_cases() + optim_cases())

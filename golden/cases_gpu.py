@@ -17,7 +17,9 @@ def cases() -> list[Case]:
 
 
 def every_case() -> list[Case]:
-    """Every version-1 case in manifest order: cases.all_cases, precision fp16's, the GPU blocks'."""
+    """Every version-1 case in manifest order: cases.all_cases, the quantized formats', precision
+    fp16's, the GPU blocks'."""
     from .cases import all_cases
     from .cases_fp16 import cases as fp16_cases
-    return all_cases() + fp16_cases() + cases()
+    from .cases_quant import quant_cases
+    return all_cases() + quant_cases() + fp16_cases() + cases()

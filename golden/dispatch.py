@@ -42,7 +42,8 @@ PHASE1.update({
     "where": _p1(lambda ins, p: R.where(*ins)),
     "matmul": _p1(lambda ins, p: R.matmul(ins[0], ins[1], p["ta"], p["tb"], p.get("batch", False))),
     "matmul_block": _p1(lambda ins, p: R.matmul(ins[0], ins[1], p["ta"], p["tb"])),
-    "matmul_f16in": _p1(lambda ins, p: R.matmul_f16in(ins[0], ins[1], p["ta"], p["tb"], p.get("batch", False))),
+    "matmul_f16in": _p1(lambda ins, p: R.matmul_f16in(ins[0], ins[1], p["ta"], p["tb"],
+                                                      p.get("batch", False))),
     "half": _p1(lambda ins, p: R.half(ins[0])),
     "permute": _p1(lambda ins, p: R.permute(ins[0], p["axes"])),
     "gather": _p1(lambda ins, p: R.gather(ins[0], ins[1])),
@@ -142,14 +143,15 @@ PHASE2: dict[str, Callable] = {
     "dequant_q4_1": _dequant(Q.dequant_q4_1), "dequant_f16": _dequant(Q.dequant_f16),
     "dequant_q4_k": _dequant(Q.dequant_q4_k), "dequant_q5_k": _dequant(Q.dequant_q5_k),
     "dequant_q6_k": _dequant(Q.dequant_q6_k),
-    "qmatmul_f16in": lambda ins, p, g: {"out": Q.qmatmul_f16in(ins[0], ins[1], p["fmt"], p["shape"], p["form"])},
+    "qmatmul_f16in": lambda ins, p, g: {
+        "out": Q.qmatmul_f16in(ins[0], ins[1], p["fmt"], p["shape"], p["form"])},
 }
 
 # ops whose cases carry an upstream gradient "gout" (same shape as "out"), and the inputs each
 # one's gradients are of (evaluate checks that it returns exactly those)
 GRAD_INPUTS = {"cross_entropy": (0,), "lora_linear": (0, 1, 2, 3), "rmsnorm": (0, 1), "rope": (0,),
-               "silu": (0,), "swiglu": (0, 1), "attention": (0, 1, 2), "gated_delta": (0, 1, 2, 3, 4),
-               "tri_inverse": (0,), "kl": (0, 1), "tmkl": (0, 1),
+               "silu": (0,), "swiglu": (0, 1), "attention": (0, 1, 2),
+               "gated_delta": (0, 1, 2, 3, 4), "tri_inverse": (0,), "kl": (0, 1), "tmkl": (0, 1),
                "dpo": (0, 1, 2, 3)}
 BACKWARD_OPS = frozenset(GRAD_INPUTS)
 
@@ -158,7 +160,8 @@ OPS: dict[str, Callable] = {**PHASE1, **PHASE2}
 
 def evaluate(op: str, inputs: Sequence[np.ndarray], params: dict,
              gout: np.ndarray | None = None) -> Arrays:
-    """All reference arrays for one case: {"out", "out_*", "grad_in*"}; gout needed for BACKWARD_OPS."""
+    """All reference arrays for one case: {"out", "out_*", "grad_in*"}; gout needed for
+    BACKWARD_OPS."""
     if op not in OPS:
         raise KeyError(f"unknown golden op {op!r}")
     if op in BACKWARD_OPS and gout is None:
@@ -168,5 +171,6 @@ def evaluate(op: str, inputs: Sequence[np.ndarray], params: dict,
         raise ValueError(f"gout shape {np.shape(gout)} differs from out shape {res['out'].shape}")
     grads = tuple(sorted(int(k[len("grad_in"):]) for k in res if k.startswith("grad_in")))
     if grads != GRAD_INPUTS.get(op, ()):
-        raise ValueError(f"op {op!r} returned gradients of inputs {grads}, GRAD_INPUTS says {GRAD_INPUTS.get(op)}")
+        raise ValueError(f"op {op!r} returned gradients of inputs {grads}, GRAD_INPUTS says "
+                         f"{GRAD_INPUTS.get(op)}")
     return res

@@ -48,7 +48,8 @@ def _reduce_ln2(x: np.ndarray):
 
 
 def _expm1_small(r: np.ndarray) -> np.ndarray:
-    """expm1(r) for |r| <= 0.35: r * (1 + r/2! + r^2/3! + ...), relative accuracy kept for tiny r."""
+    """expm1(r) for |r| <= 0.35: r * (1 + r/2! + r^2/3! + ...), relative accuracy kept for tiny
+    r."""
     return r * _horner(r, _INV_FACT[1:18])
 
 

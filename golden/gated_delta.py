@@ -44,7 +44,8 @@ def _scale(q, scale):
 
 
 def recurrent(q, k, v, g, beta, state=None, scale=None, segments=None):
-    """Outputs (B, T, H, dv) and the final state (B, H, dk, dv), one step at a time. segments (B, T):
+    """Outputs (B, T, H, dv) and the final state (B, H, dk, dv), one step at a time. segments (B,
+    T):
     packed sequences' ids; where the id changes the state starts again from zero."""
     q, k, v, g, beta = _f64(q, k, v, g, beta)
     B, T, H, dk = k.shape
@@ -53,7 +54,8 @@ def recurrent(q, k, v, g, beta, state=None, scale=None, segments=None):
     s = _scale(q, scale)
     for t in range(T):
         if segments is not None and t > 0:
-            S = S * (np.asarray(segments)[:, t] == np.asarray(segments)[:, t - 1])[:, None, None, None]
+            seg = np.asarray(segments)
+            S = S * (seg[:, t] == seg[:, t - 1])[:, None, None, None]
         S = S * E.exp(g[:, t])[..., None, None]
         d = beta[:, t][..., None] * (v[:, t] - _read(S, k[:, t]))
         S = S + k[:, t][..., :, None] * d[..., None, :]
@@ -81,7 +83,8 @@ def chunked(q, k, v, g, beta, chunk=64, state=None, scale=None):
     C = int(chunk)
     pad = -T % C
     # (B, H, N, C, .) chunks
-    q, k, v = (np.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3) for x in (q, k, v))
+    q, k, v = (np.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+               for x in (q, k, v))
     g, beta = (np.pad(x, ((0, 0), (0, pad), (0, 0))).transpose(0, 2, 1) for x in (g, beta))
     N = (T + pad) // C
     q, k, v = (x.reshape(B, H, N, C, x.shape[-1]) for x in (q, k, v))
@@ -102,7 +105,8 @@ def chunked(q, k, v, g, beta, chunk=64, state=None, scale=None):
         out[:, :, n] = s * ((np.exp(Gn)[..., None] * q[:, :, n]) @ S
                             + ((q[:, :, n] @ k[:, :, n].swapaxes(-1, -2)) * decay[:, :, n]) @ U)
         last = Gn[..., -1:]
-        S = np.exp(last)[..., None] * S + (np.exp(last - Gn)[..., None] * k[:, :, n]).swapaxes(-1, -2) @ U
+        S = (np.exp(last)[..., None] * S
+             + (np.exp(last - Gn)[..., None] * k[:, :, n]).swapaxes(-1, -2) @ U)
     out = out.reshape(B, H, N * C, dv)[:, :, :T].transpose(0, 2, 1, 3)
     return out, S
 
@@ -144,7 +148,8 @@ def recurrent_backward(q, k, v, g, beta, gout, state=None, gstate=None, scale=No
         dv_[:, t] = beta[:, t][..., None] * dd
         dbeta[:, t] = exact_sum((v[:, t] - r) * dd, axis=-1)
         dr = -beta[:, t][..., None] * dd
-        both = np.concatenate([L * d[..., None, :], (a[..., None, None] * prev) * dr[..., None, :]], axis=-1)
+        both = np.concatenate([L * d[..., None, :], (a[..., None, None] * prev) * dr[..., None, :]],
+                              axis=-1)
         dk_[:, t] = exact_sum(both, axis=-1)              # L d_t + S' dr, as one sum
         L = L + kt[..., :, None] * dr[..., None, :]
         dg[:, t] = a * exact_sum((L * prev).reshape(*prev.shape[:-2], -1), axis=-1)

@@ -101,8 +101,8 @@ def manifest_text(man: dict) -> str:
 
 def generate(root: str | Path | None = None, version: int = VERSION, verbose: bool = False,
              match: str | None = None) -> dict:
-    """Write every case (or those whose name contains match) and the manifest under <root>/v<version>;
-    remove stale npz files; returns the manifest."""
+    """Write every case (or those whose name contains match) and the manifest under
+    <root>/v<version>; remove stale npz files; returns the manifest."""
     if version != VERSION:
         raise ValueError(f"this generator writes version {VERSION} only")
     folder = data_dir(version, root)
@@ -132,15 +132,19 @@ def generate(root: str | Path | None = None, version: int = VERSION, verbose: bo
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Generate vkdsl golden data (numpy float64 references).")
-    ap.add_argument("--root", default=str(DATA_ROOT), help="folder holding v<version>/ (default: package data)")
+    ap = argparse.ArgumentParser(description="Generate vkdsl golden data (numpy float64 "
+                                             "references).")
+    ap.add_argument("--root", default=str(DATA_ROOT),
+                    help="folder holding v<version>/ (default: package data)")
     ap.add_argument("--check", action="store_true",
                     help="regenerate into a temp folder and compare with the stored manifest")
-    ap.add_argument("--match", default=None, help="with --check: only the cases whose name contains this")
+    ap.add_argument("--match", default=None,
+                    help="with --check: only the cases whose name contains this")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     if args.match is not None and not args.check:
-        ap.error("--match goes with --check (a partial generation would drop the other cases' files)")
+        ap.error("--match goes with --check (a partial generation would drop the other "
+                 "cases' files)")
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:
             new = {c["name"]: c for c in generate(tmp, match=args.match)["cases"]}

@@ -14,14 +14,16 @@ def _norm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
 
 
-def forward(weights: dict, cfg: dict, ids, peft: dict | None = None, scale: float = 0.0) -> np.ndarray:
+def forward(weights: dict, cfg: dict, ids, peft: dict | None = None,
+            scale: float = 0.0) -> np.ndarray:
     """Logits (T, vocab) for token ids at positions 0..T-1.
 
     weights: HF names (model.layers.{i}.self_attn.q_proj.weight, ...) -> arrays.
     cfg: n_layers, n_heads, n_kv_heads, head_dim, rope_base, norm_eps; optional inv_freq (a scaled
     RoPE's frequencies), qkv_bias, qk_norm (whether those tensors must be read).
     peft: {'model.layers.{i}.self_attn.q_proj': (A (r, in), B (out, r))} applied with `scale`."""
-    H, KV, hd, eps = int(cfg["n_heads"]), int(cfg["n_kv_heads"]), int(cfg["head_dim"]), float(cfg["norm_eps"])
+    H, KV, hd, eps = (int(cfg["n_heads"]), int(cfg["n_kv_heads"]), int(cfg["head_dim"]),
+                      float(cfg["norm_eps"]))
     f64 = {k: np.asarray(v, np.float64) for k, v in weights.items()}
     peft = peft or {}
     ids = np.asarray(ids, np.int64)
@@ -37,7 +39,8 @@ def forward(weights: dict, cfg: dict, ids, peft: dict | None = None, scale: floa
         return y
 
     inv = cfg.get("inv_freq")
-    inv = 1.0 / float(cfg["rope_base"]) ** (np.arange(0, hd, 2) / hd) if inv is None else np.asarray(inv)
+    inv = (1.0 / float(cfg["rope_base"]) ** (np.arange(0, hd, 2) / hd) if inv is None
+           else np.asarray(inv))
     ang = np.outer(np.arange(T), inv)
     cos = np.cos(np.concatenate([ang, ang], -1))[:, None, :]        # (T, 1, hd): both halves
     sin = np.sin(np.concatenate([ang, ang], -1))[:, None, :]

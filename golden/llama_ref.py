@@ -27,7 +27,8 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def llama3_inv_freq(hd: int, base: float, factor: float, low: float, high: float, old_ctx: int) -> np.ndarray:
+def llama3_inv_freq(hd: int, base: float, factor: float, low: float, high: float,
+                    old_ctx: int) -> np.ndarray:
     """Llama 3.x scaled RoPE frequencies (the published rule): wavelengths under old_ctx / high
     keep their frequency, those over old_ctx / low are divided by factor, the rest interpolate
     between the two with weight s = (old_ctx / wavelength - low) / (high - low)."""
@@ -84,7 +85,8 @@ def forward(weights: dict, cfg: dict, tokens) -> np.ndarray:
     def proj(h, p, m, heads):
         y = h @ w(p + m + ".weight").T + (w(p + m + ".bias") if cfg.get("qkv_bias") else 0.0)
         y = y.reshape(T, heads, hd)
-        return rms_norm(y, w(p + m + "_norm.weight"), eps) if cfg.get("qk_norm") and m != "attn_v" else y
+        return (rms_norm(y, w(p + m + "_norm.weight"), eps) if cfg.get("qk_norm") and m != "attn_v"
+                else y)
 
     for i in range(int(cfg["n_layers"])):
         p = f"blk.{i}."
@@ -183,7 +185,8 @@ def _split_piece_end(s: str, i: int, max_digits: int, marks: bool = False) -> in
                 return i + 1 + len(suffix)
     k = i + 1 if s[i] not in "\r\n" and not _letter(s[i]) and not _number(s[i]) else i
     if k > i and not (k < n and _word(s[k])) and _word(s[i]):
-        k = i                        # a mark led and no word follows: without the option, it is the word
+        # a mark led and no word follows: without the option, it is the word
+        k = i
     if k < n and _word(s[k]):                        # one optional leading non-letter, then letters
         while k < n and _word(s[k]):
             k += 1
@@ -283,10 +286,10 @@ def bpe_encode(text: str, tokens: list[str], merges: list[str], specials: list[s
 
 def spm_encode(text: str, tokens: list[str], scores: list[float], types: list[int],
                add_space_prefix: bool = True) -> list[int]:
-    """SentencePiece BPE (Llama 2, Mistral): control/user tokens matched verbatim, each other segment
-    gets U+2581 for every space (and one in front), then the adjacent pair whose concatenation is a
-    normal piece with the highest score merges, leftmost on ties, until none does; pieces outside
-    the vocabulary become their UTF-8 bytes' <0xNN> tokens."""
+    """SentencePiece BPE (Llama 2, Mistral): control/user tokens matched verbatim, each other
+    segment gets U+2581 for every space (and one in front), then the adjacent pair whose
+    concatenation is a normal piece with the highest score merges, leftmost on ties, until none
+    does; pieces outside the vocabulary become their UTF-8 bytes' <0xNN> tokens."""
     normal = {t: i for i, t in enumerate(tokens) if types[i] == 1}
     specials = [t for t, k in zip(tokens, types) if k in (2, 3, 4)]
     byte_id = {int(t[3:5], 16): i for i, t in enumerate(tokens) if types[i] == 6}
@@ -306,7 +309,8 @@ def spm_encode(text: str, tokens: list[str], scores: list[float], types: list[in
                 break
             sym[at:at + 2] = [sym[at] + sym[at + 1]]
         for piece in sym:
-            ids.extend([normal[piece]] if piece in normal else [byte_id[b] for b in piece.encode("utf-8")])
+            ids.extend([normal[piece]] if piece in normal
+                       else [byte_id[b] for b in piece.encode("utf-8")])
 
     _around_specials(text, specials, plain, lambda t: ids.append(tokens.index(t)))
     return ids
@@ -346,7 +350,7 @@ def load_gguf(path: str) -> tuple[dict, dict, dict]:
                norm_eps=float(key("llama.attention.layer_norm_rms_epsilon")))
     weights = {t.name: dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
                for t in reader.tensors}
-    if "rope_freqs.weight" in weights:       # llama.cpp's Llama 3.x RoPE: frequencies divided by these
+    if "rope_freqs.weight" in weights:  # llama.cpp's Llama 3.x RoPE: frequencies divided by these
         hd = cfg["head_dim"]
         cfg["inv_freq"] = (cfg["rope_base"] ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
                            / weights.pop("rope_freqs.weight").astype(np.float64))

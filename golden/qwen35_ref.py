@@ -77,7 +77,8 @@ def forward(w: dict, cfg: dict, ids, prefix: str = "model.", peft: dict | None =
             x = x + lin(o, a + "o_proj")
         else:
             a = p + "linear_attn."
-            mixed, _ = gated_delta.causal_conv(lin(h, a + "in_proj_qkv")[None], f[a + "conv1d.weight"][:, 0])
+            mixed, _ = gated_delta.causal_conv(lin(h, a + "in_proj_qkv")[None],
+                                               f[a + "conv1d.weight"][:, 0])
             mixed = _silu(mixed[0])
             q = gated_delta.l2norm(mixed[:, :Hk * dk].reshape(T, Hk, dk))
             k = gated_delta.l2norm(mixed[:, Hk * dk:2 * Hk * dk].reshape(T, Hk, dk))
@@ -87,7 +88,8 @@ def forward(w: dict, cfg: dict, ids, prefix: str = "model.", peft: dict | None =
             z = lin(h, a + "in_proj_a") + f[a + "dt_bias"]
             g = -np.exp(f[a + "A_log"]) * np.logaddexp(0.0, z)
             o, _ = gated_delta.recurrent(q[None], k[None], v[None], g[None], beta[None])
-            o = _rms(o[0], eps) * f[a + "norm.weight"] * _silu(lin(h, a + "in_proj_z").reshape(T, Hv, dv))
+            o = (_rms(o[0], eps) * f[a + "norm.weight"]
+                 * _silu(lin(h, a + "in_proj_z").reshape(T, Hv, dv)))
             x = x + lin(o.reshape(T, Hv * dv), a + "out_proj")
         h = norm(x, p + "post_attention_layernorm.weight")
         m = p + "mlp."

@@ -162,7 +162,8 @@ def _mm2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def matmul(a, b, ta: bool = False, tb: bool = False, batch: bool = False) -> np.ndarray:
-    """op(A) @ op(B); ta: a is stored (..., K, M); tb: b is stored (..., N, K); batch: leading dim."""
+    """op(A) @ op(B); ta: a is stored (..., K, M); tb: b is stored (..., N, K); batch: leading
+    dim."""
     a, b = _f64(a), _f64(b)
     if ta:
         a = np.swapaxes(a, -1, -2)
@@ -180,8 +181,8 @@ def matmul(a, b, ta: bool = False, tb: bool = False, batch: bool = False) -> np.
 def matmul_f16in(a, b, ta: bool = False, tb: bool = False, batch: bool = False) -> np.ndarray:
     """matmul of the inputs rounded to fp16 (round to nearest even), summed exactly: the result an
     fp16-input, fp32-accumulation kernel approaches."""
-    return matmul(np.asarray(a, np.float32).astype(np.float16), np.asarray(b, np.float32).astype(np.float16),
-                  ta, tb, batch)
+    return matmul(np.asarray(a, np.float32).astype(np.float16),
+                  np.asarray(b, np.float32).astype(np.float16), ta, tb, batch)
 
 
 def half(x) -> np.ndarray:

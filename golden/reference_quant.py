@@ -13,8 +13,8 @@ def _f64(x) -> np.ndarray:
 
 __all__ = ["int4_quantize", "int4_dequantize", "int4_roundtrip",
            "NF4_CODEBOOK", "nf4_quantize", "nf4_dequantize", "nf4_roundtrip",
-           "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1", "dequant_f16",
-           "dequant_q4_k", "dequant_q5_k", "dequant_q6_k", "qmatmul_f16in"]
+           "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1",
+           "dequant_f16", "dequant_q4_k", "dequant_q5_k", "dequant_q6_k", "qmatmul_f16in"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -22,7 +22,8 @@ __all__ = ["int4_quantize", "int4_dequantize", "int4_roundtrip",
 # ---------------------------------------------------------------------------------------
 
 def pack_nibbles(codes) -> np.ndarray:
-    """(..., 2k) codes (their low 4 bits) -> (..., k) uint8; byte = c[2j] & 15 | (c[2j+1] & 15) << 4."""
+    """(..., 2k) codes (their low 4 bits) -> (..., k) uint8; byte = c[2j] & 15 | (c[2j+1] & 15) <<
+    4."""
     c = np.asarray(codes).astype(np.int64) & 0xF
     if c.shape[-1] % 2:
         raise ValueError("need an even number of codes along the last axis")
@@ -42,7 +43,8 @@ def unpack_nibbles(packed, signed: bool) -> np.ndarray:
 # ---------------------------------------------------------------------------------------
 
 def int4_quantize(x, group: int = 64):
-    """Returns (packed uint8 (..., n/2), scales float32 (..., n/group)); scale = float32(absmax/7), code = clip(rint(x/scale), -8, 7)."""
+    """Returns (packed uint8 (..., n/2), scales float32 (..., n/group)); scale = float32(absmax/7),
+    code = clip(rint(x/scale), -8, 7)."""
     x = _f64(x)
     if x.shape[-1] % group:
         raise ValueError(f"last dim {x.shape[-1]} is not a multiple of {group}")
@@ -96,7 +98,8 @@ NF4_SCALE_BLOCK = 256
 
 
 def nf4_quantize(x) -> dict:
-    """NF4 with double-quantized scales; returns {codes, absmax_q, absmax_scale, absmax_offset} (layout above)."""
+    """NF4 with double-quantized scales; returns {codes, absmax_q, absmax_scale, absmax_offset}
+    (layout above)."""
     x = _f64(x)
     if x.shape[-1] % NF4_BLOCK:
         raise ValueError(f"last dim {x.shape[-1]} is not a multiple of {NF4_BLOCK}")
@@ -196,9 +199,11 @@ def dequant_f16(raw, shape) -> np.ndarray:
 
 # GGUF K-quants: super-blocks of 256 weights (shape = (rows, cols), cols % 256 == 0)
 #   Q4_K: 144 bytes = f16 d, f16 dmin, 12 bytes of 6-bit scale/min codes, 128 bytes of nibbles
-#         range j (32 weights): w = d * sc_j * q - dmin * m_j, q = nibble (j % 2) of byte 32 (j / 2) + e
+#         range j (32 weights): w = d * sc_j * q - dmin * m_j,
+#                               q = nibble (j % 2) of byte 32 (j / 2) + e
 #         codes: j < 4: sc = s[j] & 63, m = s[j+4] & 63;
-#                j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, m = (s[j+4] >> 4) | (s[j] >> 6) << 4
+#                j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4,
+#                        m = (s[j+4] >> 4) | (s[j] >> 6) << 4
 #   Q5_K: 176 bytes = d, dmin, 12 code bytes, 32 bytes qh (bit j of byte e: bit 4 of range j's
 #         element e), 128 bytes of nibbles as Q4_K
 #   Q6_K: 210 bytes = 128 ql, 64 qh, 16 int8 scales (one per 16 weights), f16 d;
@@ -223,7 +228,8 @@ def _k_blocks(raw, shape, nbytes):
         raise ValueError(f"cols {cols} is not a multiple of 256")
     b = np.ascontiguousarray(np.asarray(raw, dtype=np.uint8).ravel())
     if b.size != rows * cols // 256 * nbytes:
-        raise ValueError(f"expected {rows * cols // 256 * nbytes} bytes for shape {tuple(shape)}, got {b.size}")
+        raise ValueError(f"expected {rows * cols // 256 * nbytes} bytes for shape {tuple(shape)}, "
+                         f"got {b.size}")
     return b.reshape(-1, nbytes)
 
 
@@ -259,13 +265,15 @@ def dequant_q6_k(raw, shape) -> np.ndarray:
     sc, d = b[:, 192:208].view(np.int8).astype(np.float64), _f16(b[:, 208:210])
     t = np.arange(256)
     h, u = t // 128, t % 128
-    q = ((ql[:, 64 * h + u % 64] >> (4 * (u // 64))) & 15) | (((qh[:, 32 * h + u % 32] >> (2 * (u // 32))) & 3) << 4)
+    q = (((ql[:, 64 * h + u % 64] >> (4 * (u // 64))) & 15)
+         | (((qh[:, 32 * h + u % 32] >> (2 * (u // 32))) & 3) << 4))
     return (d[:, None] * sc[:, t // 16] * (q - 32)).reshape(shape)
 
 
 def qmatmul_f16in(x, raw, fmt: str, shape, form: str) -> np.ndarray:
     """X times a GGUF weight W of shape (N, K) at precision fp16: X and the dequantized W rounded
     to fp16 (round to nearest even), summed exactly; form nt: X . W^T, nn: X . W."""
-    deq = {"q8_0": dequant_q8_0, "q4_0": dequant_q4_0, "q4_1": dequant_q4_1, "q6_k": dequant_q6_k}[fmt]
+    deq = {"q8_0": dequant_q8_0, "q4_0": dequant_q4_0, "q4_1": dequant_q4_1,
+           "q6_k": dequant_q6_k}[fmt]
     w = deq(raw, tuple(shape)).astype(np.float16)
     return matmul(np.asarray(x, np.float32).astype(np.float16), w, tb=form == "nt")

@@ -1,11 +1,11 @@
 """Float64 numpy references for the training ops, with closed-form gradients.
 
-Every `*_backward(..., g)` returns the gradient of the scalar  L = sum(out * g)  with respect
-to each differentiable input, where `out` is the forward's main output and `g` the upstream
-gradient (same shape as `out`). Integer inputs (labels, positions) get no gradient.
-Sums go through reference.exact_sum / reference.matmul (math.fsum) and exp/log/sin/cos
-through golden.elementary, so results do not depend on BLAS, summation order or the CPU. numpy only; nothing
-from vkdsl's core is imported. Quantization references are in reference_quant.
+Every `*_backward(..., g)` returns the gradient of the scalar  L = sum(out * g)  with respect to
+each differentiable input, where `out` is the forward's main output and `g` the upstream gradient
+(same shape as `out`). Integer inputs (labels, positions) get no gradient. Sums go through
+reference.exact_sum / reference.matmul (math.fsum) and exp/log/sin/cos through golden.elementary, so
+results do not depend on BLAS, summation order or the CPU. numpy only; nothing from vkdsl's core is
+imported. Quantization references are in reference_quant.
 """
 from __future__ import annotations
 
@@ -42,9 +42,7 @@ def _mm(a, b) -> np.ndarray:
     return matmul(a, b)
 
 
-# ---------------------------------------------------------------------------------------
-# masked cross-entropy
-# ---------------------------------------------------------------------------------------
+# ---- masked cross-entropy ---------------------------------------------------------------
 
 def _supervised(labels, n_classes: int) -> np.ndarray:
     """Boolean mask of supervised rows; ValueError on bad labels or none supervised."""
@@ -59,7 +57,7 @@ def _supervised(labels, n_classes: int) -> np.ndarray:
 
 
 def cross_entropy(logits, labels):
-    """Mean CE over supervised rows of logits (n, V); returns (loss 0-d, per-row loss (n,), 0 where ignored)."""
+    """Mean CE over supervised rows of logits (n, V) -> (loss, per-row loss, 0 where ignored)."""
     lsm = log_softmax(logits, -1)
     labels = np.asarray(labels)
     sup = _supervised(labels, lsm.shape[-1])
@@ -101,9 +99,7 @@ def lora_linear_backward(x, w, a, b, s: float, g):
     return dx, dw, da, db
 
 
-# ---------------------------------------------------------------------------------------
-# RMSNorm over the last axis:  y = x * rsqrt(mean(x^2) + eps) * w
-# ---------------------------------------------------------------------------------------
+# ---- RMSNorm over the last axis:  y = x * rsqrt(mean(x^2) + eps) * w --------------------
 
 def _rms_r(x, eps):
     """rsqrt(mean(x^2) + eps) with keepdims over the last axis."""
@@ -164,9 +160,7 @@ def rope_backward(x, pos, base: float, g) -> np.ndarray:
     return _rotate(g, c, -s)
 
 
-# ---------------------------------------------------------------------------------------
-# SiLU / SwiGLU
-# ---------------------------------------------------------------------------------------
+# ---- SiLU / SwiGLU ----------------------------------------------------------------------
 
 def _sigmoid(x):
     """1 / (1 + exp(-x)) without overflow for large |x|."""
@@ -211,7 +205,7 @@ def _attn_mm(t: int):
 
 
 def _ordered_mm(a, b):
-    """a @ b, accumulated over K in index order (each step exactly rounded IEEE adds and multiplies)."""
+    """a @ b, accumulated over K in index order (each step one exactly rounded add, multiply)."""
     out = np.zeros((a.shape[0], b.shape[1]))
     for j in range(a.shape[1]):
         out += a[:, j, None] * b[None, j, :]
@@ -264,12 +258,10 @@ def attention_backward(q, k, v, g, scale: float | None = None):
     return dq, dk, dv
 
 
-# ---------------------------------------------------------------------------------------
-# KL(p || q) from logits, and target-masked KL
-# ---------------------------------------------------------------------------------------
+# ---- KL(p || q) from logits, and target-masked KL ---------------------------------------
 
 def _kl_rows(lp, lq):
-    """Per-row KL(softmax(lp) || softmax(lq)) and the pieces the backward needs; -inf entries allowed."""
+    """Per-row KL(softmax(lp) || softmax(lq)) and what the backward needs; -inf entries allowed."""
     logp, logq = log_softmax(lp, -1), log_softmax(lq, -1)
     p, q = E.exp(logp), E.exp(logq)
     live = p > 0  # 0 * log 0 = 0; masked entries carry -inf in both rows
@@ -279,7 +271,7 @@ def _kl_rows(lp, lq):
 
 
 def kl(logits_p, logits_q):
-    """Mean over rows of KL(softmax(logits_p) || softmax(logits_q)); returns (mean 0-d, rows (n,))."""
+    """Mean over rows of KL(softmax(logits_p) || softmax(logits_q)) -> (mean 0-d, rows (n,))."""
     rows, *_ = _kl_rows(_f64(logits_p), _f64(logits_q))
     return np.asarray(exact_sum(rows) / rows.shape[0]), rows
 
@@ -294,14 +286,14 @@ def kl_backward(logits_p, logits_q, g):
 
 
 def _tm_logits(logits, labels, sup):
-    """Supervised rows of logits with each row's target logit set to -inf (removed + renormalized)."""
+    """Supervised rows of logits, each row's target logit set to -inf (removed, renormalized)."""
     lg = _f64(logits)[sup].copy()
     lg[np.arange(lg.shape[0]), np.asarray(labels)[sup]] = -np.inf
     return lg
 
 
 def tmkl(adapted_logits, base_logits, labels):
-    """Target-masked KL(adapted || base): mean over supervised rows; returns (mean 0-d, rows (n,), 0 where ignored)."""
+    """Target-masked KL(adapted || base) over supervised rows -> (mean, rows, 0 where ignored)."""
     a = _f64(adapted_logits)
     if a.shape[-1] < 2:
         raise ValueError("TMKL needs at least 2 classes")
@@ -324,12 +316,11 @@ def tmkl_backward(adapted_logits, base_logits, labels, g):
     return da, db
 
 
-# ---------------------------------------------------------------------------------------
-# DPO
-# ---------------------------------------------------------------------------------------
+# ---- DPO --------------------------------------------------------------------------------
 
 def sequence_logprob(logits, labels) -> np.ndarray:
-    """Sum of token log-probs over response tokens: logits (B, T, V) already aligned with labels (B, T); -100 = not scored."""
+    """Sum of token log-probs over response tokens: logits (B, T, V) aligned with labels (B, T);
+    -100 = not scored."""
     lsm = log_softmax(logits, -1)
     labels = np.asarray(labels)
     m = labels != IGNORE_INDEX
@@ -354,7 +345,8 @@ def _dpo_z(pc, pr, rc, rr, beta):
 
 
 def dpo(pc, pr, rc, rr, beta: float = 0.1):
-    """Mean over pairs of -log sigmoid(beta*((pc-pr)-(rc-rr))); pc/pr policy chosen/rejected, rc/rr reference; returns (mean 0-d, per-pair (n,))."""
+    """Mean over pairs of -log sigmoid(beta*((pc-pr)-(rc-rr))); pc/pr policy chosen/rejected, rc/rr
+    reference; returns (mean 0-d, per-pair (n,))."""
     rows = E.softplus(-_dpo_z(pc, pr, rc, rr, beta))   # -log sigmoid(z), stable
     return np.asarray(exact_sum(rows) / rows.shape[0]), rows
 
@@ -366,9 +358,7 @@ def dpo_backward(pc, pr, rc, rr, beta: float, g):
     return dz, -dz, -dz, dz
 
 
-# ---------------------------------------------------------------------------------------
-# optimizer pieces
-# ---------------------------------------------------------------------------------------
+# ---- optimizer pieces -------------------------------------------------------------------
 
 def _ipow(b: float, n: int) -> float:
     """b**n by repeated multiplication (libm pow may differ in the last bit across platforms)."""
@@ -393,7 +383,8 @@ def adamw(param, grad, m, v, step: int, lr: float, beta1: float = 0.9, beta2: fl
 
 
 def clip_grad_norm(grads, max_norm: float, eps: float = 1e-6):
-    """Global L2 clip (torch.nn.utils.clip_grad_norm_): coef = min(1, max_norm/(norm+eps)); returns (clipped list, norm 0-d)."""
+    """Global L2 clip (torch.nn.utils.clip_grad_norm_): coef = min(1, max_norm/(norm+eps)); returns
+    (clipped list, norm 0-d)."""
     gs = [_f64(g) for g in grads]
     norm = math.sqrt(math.fsum(float(exact_sum(g * g)) for g in gs))
     coef = min(1.0, max_norm / (norm + eps))

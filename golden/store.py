@@ -71,7 +71,8 @@ def load_manifest(version: int = 1, root: str | Path | None = None) -> dict:
     except FileNotFoundError:
         raise GoldenError(f"{path}: missing file (expected the golden manifest)") from None
     except UnicodeDecodeError as e:
-        raise GoldenError(f"{path}: expected UTF-8 JSON, found byte 0x{e.object[e.start]:02x} at offset {e.start}") \
+        raise GoldenError(f"{path}: expected UTF-8 JSON, found byte 0x{e.object[e.start]:02x} at "
+                          f"offset {e.start}") \
             from None
     try:
         man = json.loads(text)
@@ -79,7 +80,8 @@ def load_manifest(version: int = 1, root: str | Path | None = None) -> dict:
         raise GoldenError(f"{path}: expected JSON, found a parse error: {e}") from None
     if not isinstance(man, dict) or not isinstance(man.get("cases"), list):
         raise GoldenError(f"{path}: expected an object with a 'cases' list, found "
-                          f"{type(man).__name__} with keys {sorted(man) if isinstance(man, dict) else '-'}")
+                          f"{type(man).__name__} with keys "
+                          f"{sorted(man) if isinstance(man, dict) else '-'}")
     if man.get("version") != version:
         raise GoldenError(f"{path}: expected version {version}, found {man.get('version')!r}")
     seen_names, seen_files = set(), set()
@@ -94,15 +96,18 @@ def load_manifest(version: int = 1, root: str | Path | None = None) -> dict:
 
 def iter_cases(version: int = 1, root: str | Path | None = None,
                match: str | None = None) -> Iterator[dict]:
-    """Manifest entries (copies, with an added absolute "path"), optionally those whose name contains `match`."""
+    """Manifest entries (copies, with an added absolute "path"), optionally those whose name
+    contains `match`."""
     folder = data_dir(version, root)
     for case in load_manifest(version, root)["cases"]:
         if match is None or match in case["name"]:
             yield {**case, "path": str(folder / case["file"])}
 
 
-def load_case(case: dict, version: int = 1, root: str | Path | None = None) -> dict[str, np.ndarray]:
-    """Arrays of one case after checking the file's sha256 and array names; uses case["path"] if present."""
+def load_case(case: dict, version: int = 1,
+              root: str | Path | None = None) -> dict[str, np.ndarray]:
+    """Arrays of one case after checking the file's sha256 and array names; uses case["path"] if
+    present."""
     path = Path(case["path"]) if "path" in case else data_dir(version, root) / case["file"]
     if not path.is_file():
         raise GoldenError(f"{path}: missing file (expected by case {case['name']!r}, "
@@ -115,8 +120,10 @@ def load_case(case: dict, version: int = 1, root: str | Path | None = None) -> d
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # a file with the right hash should never get here
-        raise GoldenError(f"{path}: expected an npz archive, found an unreadable file: {e}") from None
-    want = set(case["inputs"]) | set(case["outputs"]) | ({case["upstream"]} if case["upstream"] else set())
+        raise GoldenError(f"{path}: expected an npz archive, found an unreadable "
+                          f"file: {e}") from None
+    want = (set(case["inputs"]) | set(case["outputs"])
+            | ({case["upstream"]} if case["upstream"] else set()))
     if want != set(arrays):
         raise GoldenError(f"{path}: expected arrays {sorted(want)}, found {sorted(arrays)}")
     return arrays

@@ -44,16 +44,17 @@ def _load_file(path, reader=None) -> LlamaCheckpoint:
 def load_checkpoint(path: str | os.PathLike) -> LlamaCheckpoint:
     """A .gguf file or a Hugging Face folder (config.json + safetensors)."""
     if Path(path).is_file() and Path(path).suffix == ".safetensors":
-        raise ModelFileError(f"{path}: a bare .safetensors file holds weights only; pass the Hugging Face folder "
-                             f"that holds it with config.json")
+        raise ModelFileError(f"{path}: a bare .safetensors file holds weights only; pass the "
+                             f"Hugging Face folder that holds it with config.json")
     return _load_folder(path) if Path(path).is_dir() else _load_file(path)
 
 
 def load_model_files(path: str | os.PathLike) -> tuple[LlamaCheckpoint, Tokenizer]:
     """Checkpoint and tokenizer, reading a GGUF file once."""
     if Path(path).is_file() and Path(path).suffix == ".safetensors":
-        raise ModelFileError(f"{path}: a bare .safetensors file holds weights only; pass the Hugging Face folder "
-                             f"that holds it with config.json and tokenizer.json")
+        raise ModelFileError(f"{path}: a bare .safetensors file holds weights only; pass the "
+                             f"Hugging Face folder that holds it with config.json and "
+                             f"tokenizer.json")
     if Path(path).is_dir():
         ck = _load_folder(path)
         return ck, load_tokenizer(path, expected_vocab=ck.config.vocab_size)
@@ -63,6 +64,6 @@ def load_model_files(path: str | os.PathLike) -> tuple[LlamaCheckpoint, Tokenize
 
 
 __all__ = ["LlamaConfig", "ModelFileError", "LlamaCheckpoint", "TensorRecord", "SUPPORTED_TYPES",
-           "Tokenizer", "load_tokenizer", "load_checkpoint", "load_model_files", "load_gguf", "load_hf", "open_gguf",
-           "config_from_gguf", "config_from_hf", "expected_shapes", "hf_to_gguf_rows",
-           "gguf_to_hf_rows", "hf_name_to_gguf", "gguf_name_to_hf"]
+           "Tokenizer", "load_tokenizer", "load_checkpoint", "load_model_files", "load_gguf",
+           "load_hf", "open_gguf", "config_from_gguf", "config_from_hf", "expected_shapes",
+           "hf_to_gguf_rows", "gguf_to_hf_rows", "hf_name_to_gguf", "gguf_name_to_hf"]

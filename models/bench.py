@@ -62,7 +62,8 @@ def bench_model(path=None, prompt_lengths=(128, 512), gen_tokens=32):
     gen_tokens = min(gen_tokens, ctx_len - 16)             # a tiny model's context may be short
     for T in sorted({min(T, ctx_len) for T in prompt_lengths}):
         ids = rng.integers(0, ck.config.vocab_size, (1, T)).astype(np.int32)
-        f = LogitsFn(model)                           # the head in chunks: a 152k vocabulary's logits pass a binding
+        # the head in chunks: a 152k vocabulary's logits pass a binding
+        f = LogitsFn(model)
         lg = f(ids)                                   # trace, compile, first run
         t = time.perf_counter()
         lg = f(ids)
@@ -71,8 +72,8 @@ def bench_model(path=None, prompt_lengths=(128, 512), gen_tokens=32):
         ref = numpy_forward(w, ck.config, ids[0])
         npt = time.perf_counter() - t
         agree = float((lg[0].argmax(-1) == ref.argmax(-1)).mean())
-        rows.append({"case": f"prompt_{T}", "tokens": T, "device_tok_s": T / dev, "numpy_tok_s": T / npt,
-                     "ratio": npt / dev, "argmax_agreement": agree})
+        rows.append({"case": f"prompt_{T}", "tokens": T, "device_tok_s": T / dev,
+                     "numpy_tok_s": T / npt, "ratio": npt / dev, "argmax_agreement": agree})
         f.release()
     gen = Generator(model, 16 + gen_tokens)
     ids = list(rng.integers(0, ck.config.vocab_size, 16))
@@ -84,8 +85,9 @@ def bench_model(path=None, prompt_lengths=(128, 512), gen_tokens=32):
         ctx.append(int(numpy_forward(w, ck.config, ctx)[-1].argmax()))
     npt = (time.perf_counter() - t) / 4
     dev_tps = st["new_tokens"] / st["decode_s"]
-    rows.append({"case": "generate", "tokens": st["new_tokens"], "device_tok_s": dev_tps, "numpy_tok_s": 1 / npt,
-                 "ratio": dev_tps * npt, "note": "numpy recomputes the full context per token (no KV cache)"})
+    rows.append({"case": "generate", "tokens": st["new_tokens"], "device_tok_s": dev_tps,
+                 "numpy_tok_s": 1 / npt, "ratio": dev_tps * npt,
+                 "note": "numpy recomputes the full context per token (no KV cache)"})
     mem = model.device_bytes()
     rows.append({"case": "weights", **mem, "ratio": mem["device_bytes"] / mem["fp32_bytes"]})
     return rows

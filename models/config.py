@@ -1,4 +1,5 @@
-"""Hyper-parameters of a Llama-family model (Llama, Mistral, Qwen2, Qwen3), validated once at load time."""
+"""Hyper-parameters of a Llama-family model (Llama, Mistral, Qwen2, Qwen3), validated once at load
+time."""
 from __future__ import annotations
 
 import math
@@ -70,9 +71,10 @@ class LlamaConfig:
         if not 0.0 < self.norm_eps < 1.0:
             raise ModelFileError(f"LlamaConfig.norm_eps must be in (0, 1), got {self.norm_eps!r}")
         d = self.rope_freq_divisors
-        if d is not None and (len(d) != self.head_dim // 2 or not all(math.isfinite(x) and x > 0 for x in d)):
-            raise ModelFileError(f"LlamaConfig.rope_freq_divisors must be {self.head_dim // 2} positive finite "
-                                 f"numbers (one per RoPE frequency), got {len(d)}")
+        if (d is not None
+            and (len(d) != self.head_dim // 2 or not all(math.isfinite(x) and x > 0 for x in d))):
+            raise ModelFileError(f"LlamaConfig.rope_freq_divisors must be {self.head_dim // 2} "
+                                 f"positive finite numbers (one per RoPE frequency), got {len(d)}")
         for key in ("bos_id", "eos_id", "pad_id"):
             value = getattr(self, key)
             if value is not None and not 0 <= value < self.vocab_size:
@@ -116,16 +118,17 @@ class LlamaConfig:
         return dict(asdict(self), qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
 
 
-def llama3_divisors(head_dim: int, base: float, factor: float, low_freq_factor: float, high_freq_factor: float,
-                    original_context: int) -> tuple[float, ...]:
+def llama3_divisors(head_dim: int, base: float, factor: float, low_freq_factor: float,
+                    high_freq_factor: float, original_context: int) -> tuple[float, ...]:
     """Llama 3.x RoPE scaling as per-frequency divisors: frequencies whose wavelength is shorter
     than original_context / high_freq_factor keep their value, those longer than original_context /
     low_freq_factor are divided by factor, and the ones between are blended linearly in
     original_context / wavelength (float32, as a GGUF file stores them)."""
     if not (factor > 0 and high_freq_factor > low_freq_factor > 0 and original_context > 0):
-        raise ModelFileError(f"llama3 RoPE scaling: factor {factor}, low_freq_factor {low_freq_factor}, "
-                             f"high_freq_factor {high_freq_factor}, original context {original_context}: expected "
-                             f"factor > 0, high_freq_factor > low_freq_factor > 0, a positive context")
+        raise ModelFileError(f"llama3 RoPE scaling: factor {factor}, low_freq_factor "
+                             f"{low_freq_factor}, high_freq_factor {high_freq_factor}, original "
+                             f"context {original_context}: expected factor > 0, high_freq_factor > "
+                             f"low_freq_factor > 0, a positive context")
     inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv
     out = []

@@ -54,7 +54,8 @@ class KVCache:
         sel = self.onehot.reshape(1, self.L, 1, 1)
         k_all = self.k[i] * (1.0 - sel) + k * sel          # (1, L, KV, D), this step's row replaced
         v_all = self.v[i] * (1.0 - sel) + v * sel
-        if self.dtype == "float16":  # fp32 arithmetic on fp16 values: exact, so rounding again is a no-op
+        # fp32 arithmetic on fp16 values: exact, so rounding again is a no-op
+        if self.dtype == "float16":
             k_all, v_all = k_all.half(), v_all.half()
         self.k[i].assign(k_all)
         self.v[i].assign(v_all)
@@ -72,14 +73,17 @@ class StateCache:
                                           head_dim=cfg.head_dim), length, dtype)
         linear = [i for i in range(cfg.n_layers) if i not in self.full]
         shape = (1, cfg.lin_v_heads, cfg.lin_k_dim, cfg.lin_v_dim)
-        self.conv = {i: vkdsl.tensor(np.zeros((1, cfg.conv_kernel - 1, cfg.conv_dim), np.float32), name=f"conv{i}")
+        self.conv = {i: vkdsl.tensor(np.zeros((1, cfg.conv_kernel - 1, cfg.conv_dim), np.float32),
+                                     name=f"conv{i}")
                      for i in linear}
-        self.state = {i: vkdsl.tensor(np.zeros(shape, np.float32), name=f"state{i}") for i in linear}
+        self.state = {i: vkdsl.tensor(np.zeros(shape, np.float32), name=f"state{i}")
+                      for i in linear}
         self.L, self.K = length, cfg.conv_kernel
         self.onehot = self.valid = self.tail = None
 
     def nbytes(self) -> int:
-        return self.kv.nbytes() + sum(t.buffer.nbytes for t in [*self.conv.values(), *self.state.values()])
+        return (self.kv.nbytes()
+                + sum(t.buffer.nbytes for t in [*self.conv.values(), *self.state.values()]))
 
     def layer(self, i, k, v):
         self.kv.onehot = self.onehot
@@ -112,10 +116,12 @@ class Generator:
 
         def step(ids, cos, sin, onehot, mask):             # ids (1, 1); onehot, mask (L,)
             self.cache.onehot = onehot
-            return self.model.forward(ids, cos=cos, sin=sin, kv=self.cache, mask=mask.reshape(1, 1, self.L))
+            return self.model.forward(ids, cos=cos, sin=sin, kv=self.cache,
+                                      mask=mask.reshape(1, 1, self.L))
         self._prefill, self._step = vkdsl.trace(prefill), vkdsl.trace(step)
         self._head = vkdsl.trace(lambda h: self.model.head(h))
-        cos, sin = nn.rope_tables(np.arange(self.L), c.rotary_dim, c.rope_base, c.rope_freq_divisors)
+        cos, sin = nn.rope_tables(np.arange(self.L), c.rotary_dim, c.rope_base,
+                                  c.rope_freq_divisors)
         self._cos, self._sin = cos, sin
 
     def logits_prefill(self, ids: list[int], last_only: bool = False) -> np.ndarray:
@@ -123,7 +129,7 @@ class Generator:
         T = len(ids)
         Tb = min(self.L, BUCKET * math.ceil(T / BUCKET))
         padded = np.zeros((1, Tb), np.int32)
-        padded[0, :T] = ids                                 # right padding: causal rows < T never see it
+        padded[0, :T] = ids  # right padding: causal rows < T never see it
         valid, tail = (self.cache.prompt_inputs(T, Tb) if isinstance(self.cache, StateCache) else
                        (np.zeros(1, np.float32), np.zeros((1, 1), np.float32)))
         h = np.asarray(self._prefill(padded, valid, tail))[0]           # (Tb, dim)
@@ -135,8 +141,8 @@ class Generator:
         onehot = np.zeros(self.L, np.float32)
         onehot[pos] = 1.0
         mask = np.where(np.arange(self.L) <= pos, 0.0, -np.inf).astype(np.float32)
-        out = self._step(np.array([[token]], np.int32), self._cos[pos:pos + 1], self._sin[pos:pos + 1],
-                         onehot, mask)
+        out = self._step(np.array([[token]], np.int32), self._cos[pos:pos + 1],
+                         self._sin[pos:pos + 1], onehot, mask)
         return out[0, 0]
 
     def generate(self, ids: list[int], max_new: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -158,7 +164,8 @@ class Generator:
             logits = self.logits_step(nxt, pos)
             pos += 1
         t_gen = time.perf_counter() - t1
-        return out, {"prompt_tokens": len(ids), "new_tokens": len(out), "prefill_s": t_prefill, "decode_s": t_gen}
+        return (out, {"prompt_tokens": len(ids), "new_tokens": len(out), "prefill_s": t_prefill,
+                      "decode_s": t_gen})
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:

@@ -1,4 +1,5 @@
-"""Read a Llama/Qwen2/Qwen3 GGUF file: config from {arch}.* keys, tensors as raw blocks (no dequantizing).
+"""Read a Llama/Qwen2/Qwen3 GGUF file: config from {arch}.* keys, tensors as raw blocks (no
+dequantizing).
 
 Qwen files keep Q/K rows in half-split RoPE order (llama.cpp runs them with NEOX RoPE); their rows
 move to the adjacent-pair order here, so one forward serves every family.
@@ -79,7 +80,8 @@ def read_key(reader: GGUFReader, key: str, default: Any = ..., *, path: Path | s
     try:
         return field.contents()
     except (UnicodeDecodeError, ValueError, IndexError) as e:     # a damaged string or array
-        raise ModelFileError(f"{path}: GGUF metadata key {key!r} is damaged ({type(e).__name__}: {e})") from None
+        raise ModelFileError(f"{path}: GGUF metadata key {key!r} is damaged "
+                             f"({type(e).__name__}: {e})") from None
 
 
 def _f32(value: float) -> float:
@@ -92,15 +94,17 @@ def config_from_gguf(reader: GGUFReader, path: Path | str) -> LlamaConfig:
     """LlamaConfig from the {arch}.* keys (vocab falls back to token_embd's rows)."""
     arch = read_key(reader, "general.architecture", None, path=path)
     if arch not in GGUF_ARCHS:
-        raise ModelFileError(f"{path}: general.architecture is {arch!r}; supported: {', '.join(GGUF_ARCHS)}, qwen35")
+        raise ModelFileError(f"{path}: general.architecture is {arch!r}; supported: "
+                             f"{', '.join(GGUF_ARCHS)}, qwen35")
 
     def key(name: str, default: Any = ...) -> Any:
         return read_key(reader, f"{arch}.{name}", default, path=path)
 
     dim, n_heads = int(key("embedding_length")), int(key("attention.head_count"))
     if n_heads <= 0 or (key("attention.key_length", None) is None and dim % n_heads):
-        raise ModelFileError(f"{path}: {arch}.embedding_length {dim} is not divisible by {arch}.attention.head_count "
-                             f"{n_heads} (and no attention.key_length is given)")
+        raise ModelFileError(f"{path}: {arch}.embedding_length {dim} is not divisible by "
+                             f"{arch}.attention.head_count {n_heads} (and no attention.key_length "
+                             f"is given)")
     head_dim = int(key("attention.key_length", dim // n_heads))
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise ModelFileError(f"{path}: {arch}.attention.value_length differs from key_length; "
@@ -114,16 +118,17 @@ def config_from_gguf(reader: GGUFReader, path: Path | str) -> LlamaConfig:
         raise ModelFileError(f"{path}: {arch}.rope.scaling.type = {scaling!r}; unsupported")
     window = key("attention.sliding_window", None)
     if window is not None and int(window) < int(key("context_length", 2048)):
-        raise ModelFileError(f"{path}: {arch}.attention.sliding_window = {window} (below the context): "
-                             f"sliding-window attention is not supported")
+        raise ModelFileError(f"{path}: {arch}.attention.sliding_window = {window} (below the "
+                             f"context): sliding-window attention is not supported")
 
     names = {t.name: t for t in reader.tensors}
     freqs = names.get("rope_freqs.weight")
     divisors = None
     if freqs is not None:                 # Llama 3.x scaling, as llama.cpp stores it
         if freqs.tensor_type.name != "F32" or int(np.prod(freqs.shape)) != head_dim // 2:
-            raise ModelFileError(f"{path}: rope_freqs.weight must be {head_dim // 2} F32 values (one per RoPE "
-                                 f"frequency), found {freqs.tensor_type.name} of shape {tuple(freqs.shape)}")
+            raise ModelFileError(f"{path}: rope_freqs.weight must be {head_dim // 2} F32 values "
+                                 f"(one per RoPE frequency), found {freqs.tensor_type.name} of "
+                                 f"shape {tuple(freqs.shape)}")
         divisors = tuple(float(x) for x in np.asarray(freqs.data, np.float32).ravel())
     vocab = key("vocab_size", None)
     if vocab is None:

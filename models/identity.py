@@ -67,7 +67,8 @@ def digest(parts) -> str:
 def of_run(model_path, tokenizer, quant: str, precision: str, data: dict) -> dict:
     """A training run's identity: base, tokenizer, template, special tokens, how the base is
     stored and multiplied, and {name: path} of the data files its steps read (as name_sha256)."""
-    special = [getattr(tokenizer, k, None) for k in ("bos_id", "eos_id", "pad_id", "end_of_turn_id")]
+    special = [getattr(tokenizer, k, None)
+               for k in ("bos_id", "eos_id", "pad_id", "end_of_turn_id")]
     return {"base_sha256": base_sha256(model_path), "tokenizer_sha256": tokenizer_sha256(tokenizer),
             "chat_template_sha256": chat_template_sha256(tokenizer), "special_tokens": special,
             "quant": quant, "precision": precision,

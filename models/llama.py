@@ -76,14 +76,15 @@ class Llama:
         """quant: 'keep' keeps each tensor's stored block format (GGUF Q4_0/Q4_1/Q8_0 stay packed);
         'none' dequantizes to fp32; 'int4' / 'nf4' quantize dense weights on load."""
         if not isinstance(ckpt.config, LlamaConfig):
-            raise ModelFileError(f"{ckpt.source}: a {ckpt.config.arch} model, where this command needs a "
-                                 f"Llama-family one (llama, mistral, qwen2, qwen3)")
+            raise ModelFileError(f"{ckpt.source}: a {ckpt.config.arch} model, where this "
+                                 f"command needs a Llama-family one (llama, mistral, qwen2, qwen3)")
         self.cfg: LlamaConfig = ckpt.config
         self.source, self.format = ckpt.source, ckpt.format
         self.stored_types = dict(Counter(r.ggml_type for r in ckpt.tensors.values()).most_common())
         c = self.cfg
         # the whole model's device bytes, refused up front rather than half-allocated
-        need = sum(planned_bytes(ckpt[n], quant) for n in ckpt.tensors) + 4 * c.context_length * c.head_dim
+        need = (sum(planned_bytes(ckpt[n], quant) for n in ckpt.tensors)
+                + 4 * c.context_length * c.head_dim)
         default_device().reserve(need, f"model {Path(str(ckpt.source)).name} (quant {quant})")
         self.linear = {}
         for i in range(c.n_layers):
@@ -92,14 +93,17 @@ class Llama:
                 self.linear[name] = device_weight(ckpt[name + ".weight"], quant)
         self.norm = {n: vkdsl.tensor(ckpt[n].dequantize().astype(np.float32), name=n)
                      for n in ckpt.tensors if n.endswith("_norm.weight")}
-        self.bias = {n.removesuffix(".bias"): vkdsl.tensor(ckpt[n].dequantize().astype(np.float32), name=n)
+        self.bias = {n.removesuffix(".bias"): vkdsl.tensor(
+            ckpt[n].dequantize().astype(np.float32), name=n)
                      for n in ckpt.tensors if n.endswith(".bias")}      # Qwen2: q, k, v
         self.embed = device_weight(ckpt["token_embd.weight"], quant)
         self.head = device_weight(ckpt["output.weight"], quant) if "output.weight" in ckpt.tensors \
             else self.embed.as_linear()
         self._lora = AdapterTable()   # module name (blk.{i}.attn_q) -> ops.lora.LoRA
-        cos, sin = nn.rope_tables(np.arange(c.context_length), c.head_dim, c.rope_base, c.rope_freq_divisors)
-        self._cos, self._sin = vkdsl.tensor(cos, name="rope_cos"), vkdsl.tensor(sin, name="rope_sin")
+        cos, sin = nn.rope_tables(np.arange(c.context_length), c.head_dim, c.rope_base,
+                                  c.rope_freq_divisors)
+        self._cos, self._sin = (vkdsl.tensor(cos, name="rope_cos"),
+                                vkdsl.tensor(sin, name="rope_sin"))
 
     @property
     def lora(self) -> AdapterTable:
@@ -118,13 +122,16 @@ class Llama:
     def logit_rows(self) -> int:
         """Rows of logits per head call: 256 rows of SmolLM2's 49k vocabulary (48 MiB), fewer for a
         larger one, so a program's vocabulary-wide temporaries stay that size (a 152k vocabulary's
-        256 rows would be 156 MB each, over the 128 MiB binding of lavapipe and the minimal profile)."""
+        256 rows would be 156 MB each, over the 128 MiB binding of lavapipe and the minimal
+        profile)."""
         return max(1, min(256, min(48 << 20, binding_limit()) // (4 * self.cfg.vocab_size)))
 
     # ---- memory honesty ----
     def device_bytes(self) -> dict:
-        """Bytes the weights occupy on the device (from the allocations) vs the same weights in fp32."""
-        ws = list(self.linear.values()) + [self.embed] + ([self.head] if self.head is not self.embed else [])
+        """Bytes the weights occupy on the device (from the allocations) vs the same weights in
+        fp32."""
+        ws = (list(self.linear.values()) + [self.embed]
+              + ([self.head] if self.head is not self.embed else []))
         vectors = list(self.vector.values())
         dev = sum(w.device_bytes for w in ws) + sum(t.buffer.nbytes for t in vectors)
         fp32 = sum(w.fp32_bytes for w in ws) + sum(t.size * 4 for t in vectors)
@@ -139,8 +146,10 @@ class Llama:
         return y + lo.delta(x) if (lo is not None and adapters_on) else y
 
     def _adapter_tensors(self, layers, adapters_on):
-        """The LoRA A and B tensors of those layers (what a checkpointed group's backward differentiates)."""
-        los = [self.lora.get(f"blk.{i}.{m}") for i in layers for m in self.cfg.linears(i)] if adapters_on else []
+        """The LoRA A and B tensors of those layers (what a checkpointed group's backward
+        differentiates)."""
+        los = ([self.lora.get(f"blk.{i}.{m}") for i in layers for m in self.cfg.linears(i)]
+               if adapters_on else [])
         return [t for lo in los if lo is not None for t in (lo.A, lo.B)]
 
     def _layer(self, i, x, adapters_on, cos, sin, kv, mask, spans=None):
@@ -162,9 +171,11 @@ class Llama:
             a = attention.attention(q, k, v, mask=mask, causal=causal)
         else:
             a = attention.attention(q, k, v, mask=mask, spans=spans)
-        x = x + self._lin(p + "attn_output", a.reshape(B * T, H * D), adapters_on).reshape(B, T, c.dim)
+        x = (x + self._lin(p + "attn_output", a.reshape(B * T, H * D),
+                           adapters_on).reshape(B, T, c.dim))
         h = nn.rmsnorm(x, self.norm[p + "ffn_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
-        f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
+        f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on),
+                      self._lin(p + "ffn_up", h, adapters_on))
         return x + self._lin(p + "ffn_down", f, adapters_on).reshape(B, T, c.dim)
 
     def forward(self, ids: Tensor, adapters_on: bool = True, cos=None, sin=None, kv=None, mask=None,
@@ -186,7 +197,8 @@ class Llama:
             raise ValueError(f"{T} tokens exceed the model's context of {c.context_length}")
         if positions is not None:
             flat = positions.reshape(B * T)
-            cos, sin = (t.gather(flat).reshape(B, T, c.rotary_dim // 2) for t in (self._cos, self._sin))
+            cos, sin = (t.gather(flat).reshape(B, T, c.rotary_dim // 2)
+                        for t in (self._cos, self._sin))
         elif cos is None:
             cos, sin = self._cos[:T], self._sin[:T]
         x = ids if start else self.embed.rows(ids.reshape(B * T)).reshape(B, T, c.dim)
@@ -199,7 +211,8 @@ class Llama:
                 for i in group:
                     x = self._layer(i, x, adapters_on, cos, sin, kv, mask, spans)
                 return x
-            x = checkpoint_fn(blocks, x, self._adapter_tensors(group, adapters_on)) if K else blocks(x)
+            x = (checkpoint_fn(blocks, x, self._adapter_tensors(group, adapters_on)) if K
+                 else blocks(x))
         if stop is not None:
             return x
         x = nn.rmsnorm(x, self.vector["output_norm.weight"], c.norm_eps)
@@ -224,7 +237,8 @@ class LogitsFn:
 
     def __init__(self, model: Llama, adapters_on: bool = True):
         self.model = model
-        self.hidden = vkdsl.trace(lambda x: model.forward(x, adapters_on=adapters_on, hidden_only=True))
+        self.hidden = vkdsl.trace(
+            lambda x: model.forward(x, adapters_on=adapters_on, hidden_only=True))
         self.head = vkdsl.trace(lambda h: model.head(h))
 
     def __call__(self, ids) -> np.ndarray:

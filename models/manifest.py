@@ -52,7 +52,8 @@ def build_manifest(model_path: str | os.PathLike, tokenizer, *, target_modules, 
         "chat_template_sha256": chat_template_sha256(tokenizer) if tokenizer is not None else None,
         "adapter": {"target_modules": sorted(target_modules), "r": int(r), "alpha": float(alpha),
                     "rslora": bool(rslora),
-                    "scaling": float(scaling if scaling is not None else lora_scale(alpha, r, rslora)),
+                    "scaling": float(scaling if scaling is not None
+                                     else lora_scale(alpha, r, rslora)),
                     "dtype": dtype},
     }
     for k, v in {**(extra or {}), **fields}.items():
@@ -100,19 +101,22 @@ def manifest_mismatches(manifest: dict, model_path: str | os.PathLike,
     if tokenizer is not None:
         want = manifest.get("tokenizer_sha256")
         if want and tokenizer_sha256(tokenizer) != want:
-            out.append(f"tokenizer: sha256 of tokens+merges is {tokenizer_sha256(tokenizer)[:16]}…, "
-                       f"the manifest says {want[:16]}…")
+            out.append(f"tokenizer: sha256 of tokens+merges is "
+                       f"{tokenizer_sha256(tokenizer)[:16]}…, the manifest says {want[:16]}…")
         want = manifest.get("chat_template_sha256")
         got = chat_template_sha256(tokenizer)
         if "chat_template_sha256" in manifest and want != got:
-            out.append(f"chat template: sha256 {str(got)[:16]}…, the manifest says {str(want)[:16]}…")
+            out.append(f"chat template: sha256 {str(got)[:16]}…, the manifest says "
+                       f"{str(want)[:16]}…")
     return out
 
 
 def check_manifest(manifest: dict, model_path: str | os.PathLike, tokenizer=None,
-                   force: bool = False, source: str | os.PathLike = "adapter", more=()) -> list[str]:
+                   force: bool = False, source: str | os.PathLike = "adapter",
+                   more=()) -> list[str]:
     """Raise ManifestMismatch naming each mismatch (with `more`: the adapter's own, e.g. a changed
-    alpha or weight file); with force=True print a loud warning to stderr instead and return them."""
+    alpha or weight file); with force=True print a loud warning to stderr instead and return
+    them."""
     bad = manifest_mismatches(manifest, model_path, tokenizer) + list(more)
     if bad and not force:
         raise ManifestMismatch(f"{source}: manifest does not match the model it is applied to:\n  "

@@ -72,7 +72,8 @@ def _merge_gguf(model_path: Path, cfg, aw, out_path: Path, out_type: str, report
             if name == "general.file_type" and out_type != "keep":
                 continue          # the merged file's dominant type changed
             vtype = GGUFValueType(int(f.types[0]))
-            sub = GGUFValueType(int(f.types[-1])) if vtype == GGUFValueType.ARRAY and len(f.types) > 1 else None
+            sub = (GGUFValueType(int(f.types[-1])) if vtype == GGUFValueType.ARRAY
+                   and len(f.types) > 1 else None)
             w.add_key_value(name, f.contents(), vtype, sub_type=sub)
         w.add_string("vkdsl.merged_adapter", str(aw.source))
         for t in reader.tensors:
@@ -114,9 +115,11 @@ def _merge_gguf(model_path: Path, cfg, aw, out_path: Path, out_type: str, report
 
 def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: dict) -> None:
     from . import qwen35_files
-    from .safetensors_loader import weight_files, hf_name_to_gguf, read_safetensors, as_f32, safetensors_bytes
+    from .safetensors_loader import (as_f32, hf_name_to_gguf, read_safetensors, safetensors_bytes,
+                                     weight_files)
     if out_path.exists() and not out_path.is_dir():
-        raise ModelFileError(f"{out_path}: exists and is not a folder (a HF base merges into a folder)")
+        raise ModelFileError(f"{out_path}: exists and is not a folder (a HF base merges into "
+                             f"a folder)")
     out_path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for file in weight_files(model_path):
@@ -141,7 +144,8 @@ def _merge_hf(model_path: Path, ck, aw, out_path: Path, out_type: str, report: d
                 tensors[hf_name] = arr.astype(np.float16) if dtype == "F16" else arr
     atomic_write(out_path / "model.safetensors", safetensors_bytes(tensors, {"format": "pt"}))
     for f in model_path.iterdir():
-        if f.is_file() and not (f.name.endswith(".safetensors") or f.name == "model.safetensors.index.json"):
+        if (f.is_file()
+            and not (f.name.endswith(".safetensors") or f.name == "model.safetensors.index.json")):
             shutil.copyfile(f, out_path / f.name)
 
 

@@ -31,7 +31,8 @@ def wants_packed(rec: TensorRecord, quant_mode: str) -> bool:
 
 def _pack(rec: TensorRecord, quant_mode: str) -> quant.QuantizedWeight:
     if quant_mode == "keep":
-        return quant.from_gguf(np.ascontiguousarray(rec.raw).view(np.uint8), rec.ggml_type, rec.shape)
+        return quant.from_gguf(np.ascontiguousarray(rec.raw).view(np.uint8), rec.ggml_type,
+                               rec.shape)
     w = rec.dequantize().astype(np.float32)
     return quant.quantize_int4(w) if quant_mode == "int4" else quant.quantize_nf4(w)
 
@@ -53,7 +54,8 @@ class Packed:
         if x.shape[-1] != K:
             raise ValueError(f"{self.name}: input of width {x.shape[-1]}, expected {K}")
         lead = x.shape[:-1]
-        return quant.qlinear(x.reshape(math.prod(lead), K), self.arrays, self.fmt, self.shape).reshape(*lead, N)
+        return quant.qlinear(x.reshape(math.prod(lead), K), self.arrays, self.fmt,
+                             self.shape).reshape(*lead, N)
 
     def rows(self, ids: Tensor, base: int = 0, total: int | None = None) -> Tensor:
         return quant.qgather(ids, self.arrays, self.fmt, self.shape, base, total)

@@ -42,7 +42,8 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 def causal_conv(x: Tensor, w: Tensor, segments: Tensor | None = None) -> Tensor:
     """Depthwise causal convolution over time: x (B, T, C), w (C, K): y_t = sum_j w_j x_{t-K+1+j};
-    with segments (B, T) int32 (packed sequences' ids) a tap that reaches into another sequence reads 0."""
+    with segments (B, T) int32 (packed sequences' ids) a tap that reaches into another sequence
+    reads 0."""
     B, T, C = x.shape
     K = w.shape[1]
     xp = x.pad(((0, 0), (K - 1, 0), (0, 0)))
@@ -91,7 +92,8 @@ class Qwen35(Llama):
             else self.embed.as_linear()
         self._lora = AdapterTable()
         cos, sin = nn.rope_tables(np.arange(c.context_length), c.rotary_dim, c.rope_base)
-        self._cos, self._sin = vkdsl.tensor(cos, name="rope_cos"), vkdsl.tensor(sin, name="rope_sin")
+        self._cos, self._sin = (vkdsl.tensor(cos, name="rope_cos"),
+                                vkdsl.tensor(sin, name="rope_sin"))
 
     @property
     def vector(self) -> dict:
@@ -104,8 +106,10 @@ class Qwen35(Llama):
         q, gate = qg[..., :D], qg[..., D:]
         k = self._lin(p + "attn_k", h, adapters_on).reshape(B, T, KV, D)
         v = self._lin(p + "attn_v", h, adapters_on).reshape(B, T, KV, D)
-        q = rope_halves(nn.rmsnorm(q, self.vector[p + "attn_q_norm.weight"], c.norm_eps), cos, sin, c.rotary_dim)
-        k = rope_halves(nn.rmsnorm(k, self.vector[p + "attn_k_norm.weight"], c.norm_eps), cos, sin, c.rotary_dim)
+        q = rope_halves(nn.rmsnorm(q, self.vector[p + "attn_q_norm.weight"], c.norm_eps), cos, sin,
+                        c.rotary_dim)
+        k = rope_halves(nn.rmsnorm(k, self.vector[p + "attn_k_norm.weight"], c.norm_eps), cos, sin,
+                        c.rotary_dim)
         if kv is not None:
             k, v, causal = kv.layer(i, k, v)       # generation: the cache's keys and values
             a = attention.attention(q, k, v, mask=mask, causal=causal)
@@ -130,17 +134,18 @@ class Qwen35(Llama):
         else:
             conv = causal_conv(mixed, w, segments)
             if cache is not None:
-                cache.conv[i].assign((cache.tail @ mixed.reshape(T, c.conv_dim)).reshape(1, -1, c.conv_dim))
+                cache.conv[i].assign(
+                    (cache.tail @ mixed.reshape(T, c.conv_dim)).reshape(1, -1, c.conv_dim))
         mixed = nn.silu(conv)
         q = l2norm(mixed[..., :Hk * dk].reshape(B, T, Hk, dk))
         k = l2norm(mixed[..., Hk * dk:2 * Hk * dk].reshape(B, T, Hk, dk))
         v = mixed[..., 2 * Hk * dk:].reshape(B, T, Hv, dv)
         if Hv > Hk and not c.v_tiled:     # key head g serves value heads g*r .. g*r + r-1
-            q, k = (t.reshape(B, T, Hk, 1, dk).expand((B, T, Hk, Hv // Hk, dk)).reshape(B, T, Hv, dk)
-                    for t in (q, k))
-        elif Hv > Hk:                     # llama.cpp's order: value head j*Hk + g belongs to key head g
-            q, k = (t.reshape(B, T, 1, Hk, dk).expand((B, T, Hv // Hk, Hk, dk)).reshape(B, T, Hv, dk)
-                    for t in (q, k))
+            q, k = (t.reshape(B, T, Hk, 1, dk).expand((B, T, Hk, Hv // Hk, dk))
+                    .reshape(B, T, Hv, dk) for t in (q, k))
+        elif Hv > Hk:  # llama.cpp's order: value head j*Hk + g belongs to key head g
+            q, k = (t.reshape(B, T, 1, Hk, dk).expand((B, T, Hv // Hk, Hk, dk))
+                    .reshape(B, T, Hv, dk) for t in (q, k))
         beta = nn.sigmoid(self._lin(p + "ssm_beta", h, adapters_on)).reshape(B, T, Hv)
         a = self._lin(p + "ssm_alpha", h, adapters_on).reshape(B, T, Hv)
         g = softplus(a + self.vector[p + "ssm_dt.bias"]) * self.vector[p + "ssm_a"]
@@ -165,9 +170,12 @@ class Qwen35(Llama):
         if c.layer_types[i] == "full_attention":
             mixed = self._full_attention(i, p, h, B, T, adapters_on, cos, sin, kv, mask, spans)
         else:
-            segments = None if spans is None else spans[..., 0]        # a packed sequence's first position
+            # a packed sequence's first position
+            segments = None if spans is None else spans[..., 0]
             mixed = self._delta_net(i, p, h, B, T, adapters_on, kv, segments)
         x = x + mixed.reshape(B, T, c.dim)
-        h = nn.rmsnorm(x, self.vector[p + "post_attention_norm.weight"], c.norm_eps).reshape(B * T, c.dim)
-        f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on), self._lin(p + "ffn_up", h, adapters_on))
+        h = nn.rmsnorm(x, self.vector[p + "post_attention_norm.weight"],
+                       c.norm_eps).reshape(B * T, c.dim)
+        f = nn.swiglu(self._lin(p + "ffn_gate", h, adapters_on),
+                      self._lin(p + "ffn_up", h, adapters_on))
         return x + self._lin(p + "ffn_down", f, adapters_on).reshape(B, T, c.dim)

@@ -29,15 +29,17 @@ LINEAR = {"attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_pr
 MLP = {"ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 VECTORS = {"attn_norm.weight": "input_layernorm.weight",
            "post_attention_norm.weight": "post_attention_layernorm.weight",
-           "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+           "attn_q_norm.weight": "self_attn.q_norm.weight",
+           "attn_k_norm.weight": "self_attn.k_norm.weight",
            "ssm_conv1d.weight": "linear_attn.conv1d.weight", "ssm_dt.bias": "linear_attn.dt_bias",
            "ssm_a": "linear_attn.A_log", "ssm_norm.weight": "linear_attn.norm.weight"}
-ZERO_CENTRED = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight", "attn_k_norm.weight")
+ZERO_CENTRED = ("attn_norm.weight", "post_attention_norm.weight", "attn_q_norm.weight",
+                "attn_k_norm.weight")
 LAYER_TYPES = ("linear_attention", "full_attention")
-INT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "intermediate_size", "vocab_size", "max_position_embeddings", "linear_conv_kernel_dim",
-            "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-            "full_attention_interval")
+INT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
+            "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_num_key_heads", "linear_num_value_heads", "full_attention_interval")
 
 
 @dataclass(frozen=True)
@@ -71,25 +73,28 @@ class Qwen35Config:
 
     def __post_init__(self):
         for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
-                    "lin_k_heads", "lin_v_heads", "lin_k_dim", "lin_v_dim", "conv_kernel", "rotary_dim",
-                    "context_length"):
+                    "lin_k_heads", "lin_v_heads", "lin_k_dim", "lin_v_dim", "conv_kernel",
+                    "rotary_dim", "context_length"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ModelFileError(f"Qwen35Config.{key} must be a positive int, got {v!r}")
         if len(self.layer_types) != self.n_layers or set(self.layer_types) - set(LAYER_TYPES):
-            raise ModelFileError(f"Qwen35Config.layer_types: expected {self.n_layers} of {LAYER_TYPES}, "
-                                 f"got {list(self.layer_types)}")
+            raise ModelFileError(f"Qwen35Config.layer_types: expected {self.n_layers} of "
+                                 f"{LAYER_TYPES}, got {list(self.layer_types)}")
         if self.n_heads % self.n_kv_heads or self.lin_v_heads % self.lin_k_heads:
-            raise ModelFileError(f"Qwen35Config: query heads {self.n_heads} / kv heads {self.n_kv_heads} and "
-                                 f"value heads {self.lin_v_heads} / key heads {self.lin_k_heads} must divide")
+            raise ModelFileError(f"Qwen35Config: query heads {self.n_heads} / kv heads "
+                                 f"{self.n_kv_heads} and value heads {self.lin_v_heads} / key "
+                                 f"heads {self.lin_k_heads} must divide")
         if not 2 <= self.conv_kernel <= 16:
-            raise ModelFileError(f"Qwen35Config.conv_kernel = {self.conv_kernel} (linear_conv_kernel_dim): the "
-                                 f"convolution and its generation cache take kernels of 2 to 16 taps")
+            raise ModelFileError(f"Qwen35Config.conv_kernel = {self.conv_kernel} "
+                                 f"(linear_conv_kernel_dim): the convolution and its generation "
+                                 f"cache take kernels of 2 to 16 taps")
         if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise ModelFileError(f"Qwen35Config.rotary_dim {self.rotary_dim}: expected even, at most head_dim "
-                                 f"{self.head_dim}")
+            raise ModelFileError(f"Qwen35Config.rotary_dim {self.rotary_dim}: expected even, at "
+                                 f"most head_dim {self.head_dim}")
         if not 0.0 < self.norm_eps < 1.0 or not self.rope_base > 1.0:
-            raise ModelFileError(f"Qwen35Config: norm_eps {self.norm_eps} / rope_base {self.rope_base} out of range")
+            raise ModelFileError(f"Qwen35Config: norm_eps {self.norm_eps} / rope_base "
+                                 f"{self.rope_base} out of range")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,8 +113,9 @@ class Qwen35Config:
         hd, kv, vd, Hv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, \
             self.lin_v_heads * self.lin_v_dim, self.lin_v_heads
         return {"attn_q": (self.dim, 2 * hd), "attn_k": (self.dim, kv), "attn_v": (self.dim, kv),
-                "attn_output": (hd, self.dim), "attn_qkv": (self.dim, self.conv_dim), "attn_gate": (self.dim, vd),
-                "ssm_beta": (self.dim, Hv), "ssm_alpha": (self.dim, Hv), "ssm_out": (vd, self.dim),
+                "attn_output": (hd, self.dim), "attn_qkv": (self.dim, self.conv_dim),
+                "attn_gate": (self.dim, vd), "ssm_beta": (self.dim, Hv),
+                "ssm_alpha": (self.dim, Hv), "ssm_out": (vd, self.dim),
                 "ffn_gate": (self.dim, self.ffn_dim), "ffn_up": (self.dim, self.ffn_dim),
                 "ffn_down": (self.ffn_dim, self.dim)}[m]
 
@@ -130,13 +136,15 @@ def config_from_hf(cfg: dict, path: Path) -> Qwen35Config:
             raise ModelFileError(f"{path}: model_type 'qwen3_5' without a text_config object")
         cfg = cfg["text_config"]
     elif kind != "qwen3_5_text":
-        raise ModelFileError(f"{path}: model_type is {kind!r}; expected 'qwen3_5_text' or 'qwen3_5'")
+        raise ModelFileError(f"{path}: model_type is {kind!r}; expected 'qwen3_5_text' or "
+                             f"'qwen3_5'")
     for key in ("attention_bias",):
         if cfg.get(key):
             raise ModelFileError(f"{path}: {key} = true; unsupported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelFileError(f"{path}: hidden_act = {cfg['hidden_act']!r}, expected 'silu'")
-    need = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    need = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
+            "vocab_size")
     missing = [k for k in need if k not in cfg]
     if missing:
         raise ModelFileError(f"{path}: missing config key {missing[0]!r}")
@@ -151,9 +159,10 @@ def config_from_hf(cfg: dict, path: Path) -> Qwen35Config:
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
     rope = cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
-        raise ModelFileError(f"{path}: rope_parameters = {json.dumps(rope)}; supported: rope_type 'default'")
+        raise ModelFileError(f"{path}: rope_parameters = {json.dumps(rope)}; supported: rope_type "
+                             f"'default'")
     if rope.get("mrope_interleaved") and rope.get("mrope_section"):
-        pass     # text positions are the same on the three axes: the multimodal split changes nothing
+        pass  # text positions are the same on the three axes: the multimodal split changes nothing
     head_dim = int(cfg.get("head_dim", 256))
     factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     rotary = int(head_dim * factor)
@@ -163,17 +172,25 @@ def config_from_hf(cfg: dict, path: Path) -> Qwen35Config:
 
     def first_id(key):
         v = cfg.get(key)
-        return int(v[0]) if isinstance(v, list) and v else (None if v is None or isinstance(v, list) else int(v))
+        return (int(v[0]) if isinstance(v, list) and v
+                else (None if v is None or isinstance(v, list) else int(v)))
     try:
         return Qwen35Config(
             n_layers=n, dim=int(cfg["hidden_size"]), n_heads=int(cfg["num_attention_heads"]),
-            n_kv_heads=int(cfg.get("num_key_value_heads", cfg["num_attention_heads"])), head_dim=head_dim,
-            ffn_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]), layer_types=tuple(types),
-            lin_k_heads=int(cfg.get("linear_num_key_heads", 16)), lin_v_heads=int(cfg.get("linear_num_value_heads", 32)),
-            lin_k_dim=int(cfg.get("linear_key_head_dim", 128)), lin_v_dim=int(cfg.get("linear_value_head_dim", 128)),
-            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), rope_base=float(theta), rotary_dim=rotary,
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), context_length=int(cfg.get("max_position_embeddings", 32768)),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)), bos_id=first_id("bos_token_id"),
+            n_kv_heads=int(cfg.get("num_key_value_heads", cfg["num_attention_heads"])),
+                            head_dim=head_dim,
+            ffn_dim=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+                            layer_types=tuple(types),
+            lin_k_heads=int(cfg.get("linear_num_key_heads", 16)),
+                            lin_v_heads=int(cfg.get("linear_num_value_heads", 32)),
+            lin_k_dim=int(cfg.get("linear_key_head_dim", 128)),
+                            lin_v_dim=int(cfg.get("linear_value_head_dim", 128)),
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)), rope_base=float(theta),
+                            rotary_dim=rotary,
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                            context_length=int(cfg.get("max_position_embeddings", 32768)),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                            bos_id=first_id("bos_token_id"),
             eos_id=first_id("eos_token_id"), pad_id=first_id("pad_token_id"))
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
@@ -181,14 +198,15 @@ def config_from_hf(cfg: dict, path: Path) -> Qwen35Config:
 
 def reorder_v(c: Qwen35Config, module: str, a: np.ndarray, axis: int, to_tiled: bool) -> np.ndarray:
     """A DeltaNet tensor's value-head axis between the grouped and the tiled order (axis: the output
-    rows of attn_qkv's value part, attn_gate, ssm_beta, ssm_alpha and the vectors; ssm_out's input)."""
+    rows of attn_qkv's value part, attn_gate, ssm_beta, ssm_alpha and the vectors; ssm_out's
+    input)."""
     Hk, Hv = c.lin_k_heads, c.lin_v_heads
     m = module.split(".")[-1]
     if Hk == Hv or m not in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out", "ssm_a",
                              "ssm_dt", "ssm_conv1d"):
         return a
     a = np.moveaxis(np.asarray(a), axis, 0)
-    skip = 2 * Hk * c.lin_k_dim if m in ("attn_qkv", "ssm_conv1d") else 0      # q and k keep their rows
+    skip = 2 * Hk * c.lin_k_dim if m in ("attn_qkv", "ssm_conv1d") else 0  # q and k keep their rows
     v = a[skip:]
     d = v.shape[0] // Hv
     src = (Hk, Hv // Hk, d) if to_tiled else (Hv // Hk, Hk, d)
@@ -208,14 +226,17 @@ def expected_shapes(c: Qwen35Config) -> dict[str, tuple]:
                  "ffn_down.weight": (c.dim, c.ffn_dim)}
         if kind == "full_attention":
             D = c.head_dim
-            layer.update({"attn_q.weight": (2 * c.n_heads * D, c.dim), "attn_k.weight": (c.n_kv_heads * D, c.dim),
-                          "attn_v.weight": (c.n_kv_heads * D, c.dim), "attn_output.weight": (c.dim, c.n_heads * D),
-                          "attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,)})
+            layer.update({"attn_q.weight": (2 * c.n_heads * D, c.dim),
+                          "attn_k.weight": (c.n_kv_heads * D, c.dim),
+                          "attn_v.weight": (c.n_kv_heads * D, c.dim),
+                          "attn_output.weight": (c.dim, c.n_heads * D), "attn_q_norm.weight": (D,),
+                          "attn_k_norm.weight": (D,)})
         else:
             layer.update({"attn_qkv.weight": (c.conv_dim, c.dim), "attn_gate.weight": (vd, c.dim),
                           "ssm_beta.weight": (Hv, c.dim), "ssm_alpha.weight": (Hv, c.dim),
-                          "ssm_out.weight": (c.dim, vd), "ssm_conv1d.weight": (c.conv_dim, c.conv_kernel),
-                          "ssm_dt.bias": (Hv,), "ssm_a": (Hv,), "ssm_norm.weight": (c.lin_v_dim,)})
+                          "ssm_out.weight": (c.dim, vd),
+                          "ssm_conv1d.weight": (c.conv_dim, c.conv_kernel), "ssm_dt.bias": (Hv,),
+                          "ssm_a": (Hv,), "ssm_norm.weight": (c.lin_v_dim,)})
         shapes.update({p + k: v for k, v in layer.items()})
     return shapes
 
@@ -225,7 +246,8 @@ _IGNORED = re.compile(r"(mtp\.|model\.visual\.|visual\.).*")
 
 
 def hf_name_to_gguf(name: str, c: Qwen35Config) -> str | None:
-    """The GGUF name of a Qwen3.5 HF tensor; '' for tensors read past (MTP, vision); None if unknown."""
+    """The GGUF name of a Qwen3.5 HF tensor; '' for tensors read past (MTP, vision); None if
+    unknown."""
     if _IGNORED.fullmatch(name):
         return ""
     if name == "lm_head.weight":
@@ -240,7 +262,8 @@ def hf_name_to_gguf(name: str, c: Qwen35Config) -> str | None:
             return "output_norm.weight"
         m = re.fullmatch(r"layers\.(\d+)\.(.+)", rest)
         if m:
-            for gg, hf in {**{k + ".weight": v + ".weight" for k, v in {**FULL, **LINEAR, **MLP}.items()},
+            for gg, hf in {**{k + ".weight": v + ".weight"
+                              for k, v in {**FULL, **LINEAR, **MLP}.items()},
                            **VECTORS}.items():
                 if m.group(2) == hf:
                     return f"blk.{m.group(1)}.{gg}"
@@ -273,16 +296,19 @@ def check(tensors: dict, c: Qwen35Config, source) -> None:
                              + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     extra = sorted(set(tensors) - set(want))
     if extra:
-        raise ModelFileError(f"{source}: unexpected tensor {extra[0]!r} for this qwen35 config; unsupported variant")
+        raise ModelFileError(f"{source}: unexpected tensor {extra[0]!r} for this qwen35 config; "
+                             f"unsupported variant")
     for name, shape in want.items():
         rec = tensors[name]
         if rec.shape != shape:
-            raise ModelFileError(f"{source}: tensor {name!r} has shape {rec.shape}, the config implies {shape}")
+            raise ModelFileError(f"{source}: tensor {name!r} has shape {rec.shape}, the config "
+                                 f"implies {shape}")
         if rec.ggml_type not in SUPPORTED_TYPES:
             raise ModelFileError(f"{source}: tensor {name!r} has type {rec.ggml_type}; supported: "
                                  f"{', '.join(SUPPORTED_TYPES)}")
         if rec.ggml_type in ("F32", "F16") and not np.isfinite(rec.dequantize()).all():
-            raise ModelFileError(f"{source}: tensor {name!r} holds non-finite values (a damaged file?)")
+            raise ModelFileError(f"{source}: tensor {name!r} holds non-finite values (a "
+                                 f"damaged file?)")
 
 
 def is_qwen35(config: dict) -> bool:
@@ -315,19 +341,20 @@ def config_from_gguf(reader, path) -> Qwen35Config:
     if "token_embd.weight" not in names:
         raise ModelFileError(f"{path}: missing tensor 'token_embd.weight'")
     recurrent = key("attention.recurrent_layers", None)
-    n = int(key("block_count")) - int(key("nextn_predict_layers", 0))     # MTP blocks come last: read past
+    # MTP blocks come last: read past
+    n = int(key("block_count")) - int(key("nextn_predict_layers", 0))
     if recurrent is None:
         every = int(key("full_attention_interval", 4))
         recurrent = [(i + 1) % every != 0 for i in range(n)]
     if len(recurrent) < n or n <= 0:
-        raise ModelFileError(f"{path}: qwen35.attention.recurrent_layers has {len(recurrent)} entries for "
-                             f"{n} blocks")
+        raise ModelFileError(f"{path}: qwen35.attention.recurrent_layers has {len(recurrent)} "
+                             f"entries for {n} blocks")
     recurrent = recurrent[:n]
     Hk, Hv = int(key("ssm.group_count")), int(key("ssm.time_step_rank"))
     inner = int(key("ssm.inner_size"))
     if Hv <= 0 or inner % Hv:
-        raise ModelFileError(f"{path}: qwen35.ssm.inner_size {inner} does not split into ssm.time_step_rank "
-                             f"{Hv} value heads")
+        raise ModelFileError(f"{path}: qwen35.ssm.inner_size {inner} does not split into "
+                             f"ssm.time_step_rank {Hv} value heads")
 
     def token_id(name):
         v = read_key(reader, f"tokenizer.ggml.{name}_token_id", None)
@@ -335,14 +362,21 @@ def config_from_gguf(reader, path) -> Qwen35Config:
     try:
         return Qwen35Config(
             n_layers=n, dim=int(key("embedding_length")), n_heads=int(key("attention.head_count")),
-            n_kv_heads=int(key("attention.head_count_kv")), head_dim=int(key("attention.key_length")),
-            ffn_dim=int(key("feed_forward_length")), vocab_size=int(names["token_embd.weight"].shape[-1]),
+            n_kv_heads=int(key("attention.head_count_kv")),
+                            head_dim=int(key("attention.key_length")),
+            ffn_dim=int(key("feed_forward_length")),
+                            vocab_size=int(names["token_embd.weight"].shape[-1]),
             layer_types=tuple("linear_attention" if r else "full_attention" for r in recurrent),
-            lin_k_heads=Hk, lin_v_heads=Hv, lin_k_dim=int(key("ssm.state_size")), lin_v_dim=inner // Hv,
-            conv_kernel=int(key("ssm.conv_kernel")), rope_base=_f32(key("rope.freq_base", 10_000_000.0)),
-            rotary_dim=int(key("rope.dimension_count")), norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
-            context_length=int(key("context_length", 32768)), tied_embeddings="output.weight" not in names,
-            bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("padding"), v_tiled=Hk != Hv)
+            lin_k_heads=Hk, lin_v_heads=Hv, lin_k_dim=int(key("ssm.state_size")),
+                            lin_v_dim=inner // Hv,
+            conv_kernel=int(key("ssm.conv_kernel")),
+                            rope_base=_f32(key("rope.freq_base", 10_000_000.0)),
+            rotary_dim=int(key("rope.dimension_count")),
+                            norm_eps=_f32(key("attention.layer_norm_rms_epsilon")),
+            context_length=int(key("context_length", 32768)),
+                            tied_embeddings="output.weight" not in names,
+            bos_id=token_id("bos"), eos_id=token_id("eos"), pad_id=token_id("padding"),
+                            v_tiled=Hk != Hv)
     except ModelFileError as e:
         raise ModelFileError(f"{path}: {e}") from None
 
@@ -358,6 +392,7 @@ def load_gguf(reader, path: Path) -> LlamaCheckpoint:
         if block and int(block.group(1)) >= c.n_layers:
             continue                        # a multi-token-prediction block: not used here
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensors[t.name] = TensorRecord(t.name, t.tensor_type.name, shape, np.asarray(t.data).view(np.uint8))
+        tensors[t.name] = TensorRecord(t.name, t.tensor_type.name, shape,
+                                       np.asarray(t.data).view(np.uint8))
     check(tensors, c, path)
     return LlamaCheckpoint(c, tensors, path, "gguf")

@@ -1,4 +1,5 @@
-"""Read a Hugging Face Llama/Mistral/Qwen2/Qwen3 folder (config.json + *.safetensors) into the GGUF layout.
+"""Read a Hugging Face Llama/Mistral/Qwen2/Qwen3 folder (config.json + *.safetensors) into the GGUF
+layout.
 
 The safetensors format is parsed here directly (8-byte header length, JSON header, raw
 little-endian data) because numpy has no bfloat16; BF16 is widened to F32 exactly.
@@ -114,7 +115,8 @@ def to_pair_order(rec: TensorRecord, cfg: LlamaConfig) -> TensorRecord:
                         np.ascontiguousarray(hf_to_gguf_rows(rows, heads)).reshape(rec.raw.shape))
 
 
-_LIB_DTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_LIB_DTYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16", "float32": "F32", "float16": "F16",
+               "bfloat16": "BF16"}
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...], np.ndarray]]:
@@ -131,15 +133,19 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, tuple[str, tuple[int,
         if dtype is None:
             raise ModelFileError(f"{path}: tensor {name!r} has dtype {info['dtype']}; supported: "
                                  f"{', '.join(_DTYPES)}")
-        out[name] = (dtype, tuple(int(d) for d in info["shape"]), np.frombuffer(info["data"], np.uint8))
+        out[name] = (dtype, tuple(int(d) for d in info["shape"]),
+                     np.frombuffer(info["data"], np.uint8))
     return out
 
 
-def safetensors_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+def safetensors_bytes(tensors: dict[str, np.ndarray],
+                      metadata: dict[str, str] | None = None) -> bytes:
     """A safetensors file's bytes (float32 unless a tensor is float16), written by the library."""
-    arrays = {k: np.ascontiguousarray(v if v.dtype in (np.float32, np.float16) else v.astype(np.float32))
+    arrays = {k: np.ascontiguousarray(v if v.dtype in (np.float32, np.float16)
+                                      else v.astype(np.float32))
               for k, v in tensors.items()}
-    return safetensors.numpy.save(arrays, metadata={str(k): str(v) for k, v in (metadata or {}).items()} or None)
+    return safetensors.numpy.save(arrays, metadata={str(k): str(v)
+                                                    for k, v in (metadata or {}).items()} or None)
 
 
 def as_f32(dtype: str, raw: np.ndarray, shape) -> np.ndarray:
@@ -184,7 +190,8 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
     rope_base, divisors = _rope(cfg, path)
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
-            raise ModelFileError(f"{path}: {key} = true; unsupported (only Qwen2's built-in q/k/v biases are)")
+            raise ModelFileError(f"{path}: {key} = true; unsupported (only Qwen2's built-in q/k/v "
+                                 f"biases are)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelFileError(f"{path}: hidden_act = {cfg['hidden_act']!r}, expected 'silu'")
     for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
@@ -199,8 +206,8 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
 
     dim, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     if not cfg.get("head_dim") and dim % n_heads:
-        raise ModelFileError(f"{path}: hidden_size {dim} is not divisible by num_attention_heads {n_heads} "
-                             f"(and no head_dim is given)")
+        raise ModelFileError(f"{path}: hidden_size {dim} is not divisible by num_attention_heads "
+                             f"{n_heads} (and no head_dim is given)")
     try:
         return LlamaConfig(
             n_layers=int(cfg["num_hidden_layers"]), dim=dim, n_heads=n_heads,
@@ -217,8 +224,9 @@ def config_from_hf(cfg: dict, path: Path) -> LlamaConfig:
 
 
 # config.json keys read as numbers, and their JSON kind: a wrong-typed value is named by key
-_INT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-             "intermediate_size", "vocab_size", "max_position_embeddings", "sliding_window")
+_INT_KEYS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
+             "sliding_window")
 _FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
 
 
@@ -227,7 +235,8 @@ def _check_types(cfg: dict, path: Path):
         v = cfg.get(key)
         if v is None:
             continue
-        ok = isinstance(v, int) if key in _INT_KEYS else isinstance(v, (int, float)) and math.isfinite(v)
+        ok = (isinstance(v, int) if key in _INT_KEYS else isinstance(v, (int, float))
+              and math.isfinite(v))
         if isinstance(v, bool) or not ok or (key in _INT_KEYS and v <= 0):
             want = "a positive integer" if key in _INT_KEYS else "a finite number"
             raise ModelFileError(f"{path}: {key} = {json.dumps(v)}, expected {want}")
@@ -241,7 +250,8 @@ def _rope(cfg: dict, path: Path) -> tuple[float, tuple | None]:
     `rope_theta` and `rope_scaling` at the top level, 5.x `rope_parameters` {rope_theta, rope_type,
     ...}. RoPE types: default, and llama3 (its four keys all required). Anything else changes the
     computation and is refused by name, never replaced by a default."""
-    params, top, scaling = cfg.get("rope_parameters"), cfg.get("rope_theta"), cfg.get("rope_scaling")
+    params, top, scaling = (cfg.get("rope_parameters"), cfg.get("rope_theta"),
+                            cfg.get("rope_scaling"))
     if params is None:
         theta = float(top if top is not None else 10000.0)
         if not scaling:
@@ -249,17 +259,21 @@ def _rope(cfg: dict, path: Path) -> tuple[float, tuple | None]:
         params, where = dict(scaling, rope_theta=theta), "rope_scaling"
     else:
         if scaling:
-            raise ModelFileError(f"{path}: both rope_parameters and rope_scaling are set; expected one")
+            raise ModelFileError(f"{path}: both rope_parameters and rope_scaling are set; "
+                                 f"expected one")
         where = "rope_parameters"
     if not isinstance(params, dict):
         raise ModelFileError(f"{path}: {where} = {params!r}, expected an object")
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "llama3"):
-        raise ModelFileError(f"{path}: {where}.rope_type = {kind!r}; supported: 'default', 'llama3'")
-    allowed = {"rope_theta", "rope_type", "type"} | (set(LLAMA3_KEYS) if kind == "llama3" else set())
+        raise ModelFileError(f"{path}: {where}.rope_type = {kind!r}; supported: "
+                             f"'default', 'llama3'")
+    allowed = ({"rope_theta", "rope_type", "type"}
+               | (set(LLAMA3_KEYS) if kind == "llama3" else set()))
     unknown = sorted(set(params) - allowed)
     if unknown:
-        raise ModelFileError(f"{path}: {where} has {unknown}, which vkdsl does not implement for rope_type {kind!r}")
+        raise ModelFileError(f"{path}: {where} has {unknown}, which vkdsl does not implement for "
+                             f"rope_type {kind!r}")
     theta = params.get("rope_theta", top)
     if theta is None:
         raise ModelFileError(f"{path}: {where} has no rope_theta")
@@ -270,9 +284,11 @@ def _rope(cfg: dict, path: Path) -> tuple[float, tuple | None]:
     missing = [k for k in LLAMA3_KEYS if params.get(k) is None]
     if missing:
         raise ModelFileError(f"{path}: {where} of rope_type 'llama3' lacks {missing}")
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    head_dim = int(cfg.get("head_dim")
+                   or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     return float(theta), llama3_divisors(head_dim, float(theta), float(params["factor"]),
-                                         float(params["low_freq_factor"]), float(params["high_freq_factor"]),
+                                         float(params["low_freq_factor"]),
+                                         float(params["high_freq_factor"]),
                                          int(params["original_max_position_embeddings"]))
 
 

@@ -51,7 +51,8 @@ class TensorRecord:
 
 
 def expected_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of the config's family must hold, GGUF names -> numpy (out, in) shapes."""
+    """Every tensor a checkpoint of the config's family must hold, GGUF names -> numpy (out, in)
+    shapes."""
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (cfg.vocab_size, cfg.dim),
         "output_norm.weight": (cfg.dim,),
@@ -109,15 +110,16 @@ def check_tensors(tensors: dict[str, TensorRecord], cfg: LlamaConfig, source: Pa
         # a NaN or Inf weight or block scale makes every logit NaN: refuse it at load, by name
         bad = nonfinite(rec)
         if bad:
+            where = "" if rec.ggml_type in ("F32", "F16") else "in its block scales "
             raise ModelFileError(f"{source}: tensor {name!r} holds {bad} non-finite value(s) "
-                                 f"{'' if rec.ggml_type in ('F32', 'F16') else 'in its block scales '}"
-                                 f"(a damaged file?)")
+                                 f"{where}(a damaged file?)")
 
 
 # Byte offsets of the fp16 fields in one block of each quantized type (d; m or dmin): the only
 # fields that can hold a NaN or Inf, the rest being small integers. Checked against gguf's own
 # dequantize in tests/test_hostile_input.py.
-F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+              "Q6_K": (208,)}
 
 
 def nonfinite(rec: TensorRecord) -> int:

@@ -38,11 +38,13 @@ def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
 
 # The split regexes llama.cpp (llama-vocab.cpp) and the models' tokenizer.json files use: Llama 3
 # groups up to three digits, Qwen2 isolates each; both attach one leading non-letter to a word.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| "
+                 r"?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 # Qwen3.5's: combining marks belong to words (llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35)
-_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| "
+                 r"?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # tokenizer.ggml.pre -> (pre-tokenizer, NFC-normalize first). Following llama.cpp: STARCODER,
@@ -63,15 +65,18 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 
 def _byte_level_engine(key, path, vocab) -> _HFTokenizer:
-    """GPT-2 style BPE: merges from tokenizer.ggml.merges, the pre-tokenizer tokenizer.ggml.pre names."""
+    """GPT-2 style BPE: merges from tokenizer.ggml.merges, the pre-tokenizer tokenizer.ggml.pre
+    names."""
     pre = key("tokenizer.ggml.pre", None)
     if pre not in _PRE:
-        raise ModelFileError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: {', '.join(sorted(_PRE))}")
+        raise ModelFileError(f"{path}: tokenizer.ggml.pre is {pre!r}; supported: "
+                             f"{', '.join(sorted(_PRE))}")
     merges = [tuple(m.split(" ", 1)) for m in key("tokenizer.ggml.merges")]
     try:
         engine = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     except Exception as e:           # the tokenizers library raises a bare Exception on bad merges
-        raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
+        raise ModelFileError(f"{path}: tokenizer.ggml.merges do not fit "
+                             f"tokenizer.ggml.tokens ({e})") from None
     make_pre, nfc = _PRE[pre]
     engine.pre_tokenizer = make_pre()
     if nfc:
@@ -81,7 +86,8 @@ def _byte_level_engine(key, path, vocab) -> _HFTokenizer:
 
 
 def _spm_engine(key, path, vocab, types) -> _HFTokenizer:
-    """SentencePiece BPE (tokenizer.ggml.model 'llama') as Hugging Face's converted tokenizers run it:
+    """SentencePiece BPE (tokenizer.ggml.model 'llama') as Hugging Face's converted tokenizers run
+    it:
     spaces become U+2581 with one in front (add_space_prefix), pieces merge highest score first --
     as BPE merges ranked by the merged piece's score -- and characters outside the vocabulary fall
     back to <0xNN> byte tokens."""
@@ -89,7 +95,8 @@ def _spm_engine(key, path, vocab, types) -> _HFTokenizer:
     if len(scores) != len(vocab):
         raise ModelFileError(f"{path}: {len(vocab)} tokens but {len(scores)} tokenizer.ggml.scores")
     if key("tokenizer.ggml.remove_extra_whitespaces", False):
-        raise ModelFileError(f"{path}: tokenizer.ggml.remove_extra_whitespaces = true is not supported")
+        raise ModelFileError(f"{path}: tokenizer.ggml.remove_extra_whitespaces = true is not "
+                             f"supported")
     unk = key("tokenizer.ggml.unknown_token_id", None)
     normal = {t for t, i in vocab.items() if types[i] == _NORMAL}
     ranked = []
@@ -98,11 +105,13 @@ def _spm_engine(key, path, vocab, types) -> _HFTokenizer:
             if t[:k] in normal and t[k:] in normal:
                 ranked.append((-scores[vocab[t]], vocab[t], vocab[t[:k]], t[:k], t[k:]))
     merges = [(a, b) for *_, a, b in sorted(ranked)]
-    engine = _HFTokenizer(models.BPE(vocab, merges, unk_token=None if unk is None else _token(vocab, int(unk)),
+    engine = _HFTokenizer(models.BPE(vocab, merges,
+                                     unk_token=None if unk is None else _token(vocab, int(unk)),
                                      fuse_unk=True, byte_fallback=True))
     steps = [normalizers.Prepend("\u2581")] if key("tokenizer.ggml.add_space_prefix", True) else []
     engine.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
-    engine.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    engine.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                        decoders.Fuse()]
                                        + ([decoders.Strip(" ", 1, 0)] if steps else []))
     return engine
 
@@ -147,22 +156,27 @@ class Tokenizer:
 
     @property
     def end_of_turn_id(self) -> int | None:
-        """The token that closes an assistant turn: the first special token the chat template renders
-        after an assistant's content (<|im_end|> for ChatML and Qwen, <|eot_id|> for Llama 3, often
-        not EOS in a base model's files); EOS when there is no template or it renders none."""
+        """The token that closes an assistant turn: the first special token the chat template
+        renders after an assistant's content (<|im_end|> for ChatML and Qwen, <|eot_id|> for Llama
+        3, often not EOS in a base model's files); EOS when there is no template or it renders
+        none."""
         if not self.chat_template:
             return self.eos_id
         if self._turn_end[0] != self.chat_template:
             mark = "\ue000vkdsl-reply\ue001"
             try:
                 text = self.apply_chat_template([{"role": "user", "content": "hi"},
-                                                 {"role": "assistant", "content": mark}], add_generation_prompt=False)
-            except Exception:        # a template that wants other turns than this probe's: EOS, as without one
+                                                 {"role": "assistant", "content": mark}],
+                                                add_generation_prompt=False)
+            # a template that wants other turns than this probe's: EOS, as without one
+            except Exception:
                 text = ""
             after = text[text.find(mark) + len(mark):] if mark in text else ""
-            specials = {self._engine.token_to_id(t.content) for t in self._engine.get_added_tokens_decoder().values()
+            specials = {self._engine.token_to_id(t.content)
+                        for t in self._engine.get_added_tokens_decoder().values()
                         if t.special}
-            found = next((i for i in self.encode(after, add_special=False) if i in specials), None) \
+            found = next((i for i in self.encode(after, add_special=False) if i in specials),
+                         None) \
                 if after else None
             self._turn_end = (self.chat_template, self.eos_id if found is None else found)
         return self._turn_end[1]
@@ -183,11 +197,13 @@ class Tokenizer:
         except ModelFileError:
             raise
         except TemplateSyntaxError as e:
-            raise ModelFileError(f"{self.template_origin}: chat template line {e.lineno}: {e.message}") from None
+            raise ModelFileError(f"{self.template_origin}: chat template line {e.lineno}: "
+                                 f"{e.message}") from None
         except (TemplateError, ArithmeticError, TypeError, ValueError, LookupError, AttributeError,
                 RecursionError) as e:
             # the sandbox's refusals (SecurityError), undefined names, and what a template's own
-            # arithmetic or indexing raises (OverflowError of a huge range, ...): the template's fault
+            # arithmetic or indexing raises (OverflowError of a huge range, ...): the template's
+            # fault
             raise ModelFileError(f"{self.template_origin}: chat template failed to render: "
                                  f"{type(e).__name__}: {e}") from None
 
@@ -221,8 +237,8 @@ class Tokenizer:
 
         kind = key("tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):
-            raise ModelFileError(f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' (byte-level "
-                                 f"BPE), 'llama' (SentencePiece BPE: Llama 2, Mistral)")
+            raise ModelFileError(f"{path}: tokenizer.ggml.model is {kind!r}; supported: 'gpt2' "
+                                 f"(byte-level BPE), 'llama' (SentencePiece BPE: Llama 2, Mistral)")
         tokens: list[str] = key("tokenizer.ggml.tokens")
         types = key("tokenizer.ggml.token_type", [1] * len(tokens))
         if len(types) != len(tokens):
@@ -238,7 +254,8 @@ class Tokenizer:
                 expected_vocab = None if embd is None else int(embd.shape[-1])
         _check_vocab(len(tokens), expected_vocab, path)
 
-        engine = _byte_level_engine(key, path, vocab) if kind == "gpt2" else _spm_engine(key, path, vocab, types)
+        engine = (_byte_level_engine(key, path, vocab) if kind == "gpt2"
+                  else _spm_engine(key, path, vocab, types))
         engine.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                    for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL)])
         engine.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -293,20 +310,24 @@ class Tokenizer:
                    chat_template=template, source=folder, template_origin=origin)
 
 
-def load_tokenizer(path: str | os.PathLike, expected_vocab: int | None = None, reader=None) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike, expected_vocab: int | None = None,
+                   reader=None) -> Tokenizer:
     """Tokenizer from a .gguf file (or its open reader) or a HF folder."""
     path = Path(path)
     if path.is_dir():
         return Tokenizer.from_hf(path, expected_vocab=expected_vocab)
-    return Tokenizer.from_gguf(reader if reader is not None else path, expected_vocab=expected_vocab)
+    return Tokenizer.from_gguf(reader if reader is not None else path,
+                               expected_vocab=expected_vocab)
 
 
 def _check_vocab(n_tokens: int, expected: int | None, path: Path) -> None:
     """A tokenizer may have fewer tokens than the model has embedding rows (Qwen's tokenizer.json
-    holds 151,665 for 151,936 rows: the table is padded), never more: its ids would index nothing."""
+    holds 151,665 for 151,936 rows: the table is padded), never more: its ids would index
+    nothing."""
     if expected is not None and n_tokens > int(expected):
         raise ModelFileError(f"{path}: tokenizer has {n_tokens} tokens but the model's "
-                             f"vocabulary is {int(expected)} (ids from {int(expected)} on index no embedding row)")
+                             f"vocabulary is {int(expected)} (ids from {int(expected)} on index no "
+                             f"embedding row)")
 
 
 def _set_post_processor(engine: _HFTokenizer, tokens: list[str], *, bos: int | None,

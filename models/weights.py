@@ -95,10 +95,12 @@ def device_weight(rec: TensorRecord, quant: str = "keep", limit: int | None = No
     limit = binding_limit() if limit is None else limit
     need = planned_bytes(rec, quant)
     if len(rec.shape) == 2 and need > limit:
-        rows = max(1, int(rec.shape[0] * (limit / need)) // 64 * 64)   # rows per block, a margin for rounding
+        # rows per block, a margin for rounding
+        rows = max(1, int(rec.shape[0] * (limit / need)) // 64 * 64)
         starts = list(range(0, rec.shape[0], rows))
-        parts = [_one(TensorRecord(f"{rec.name}[{r0}:{min(r0 + rows, rec.shape[0])}]", rec.ggml_type,
-                                   (min(rows, rec.shape[0] - r0), rec.shape[1]), rec.raw[r0:r0 + rows]), quant)
+        parts = [_one(TensorRecord(f"{rec.name}[{r0}:{min(r0 + rows, rec.shape[0])}]",
+                                   rec.ggml_type, (min(rows, rec.shape[0] - r0), rec.shape[1]),
+                                   rec.raw[r0:r0 + rows]), quant)
                  for r0 in starts]
         return RowSplit(parts, starts, rec.shape, rec.name)
     return _one(rec, quant)

@@ -29,8 +29,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causa
     each token's row [start, end) in packed sequences (train.packing), causal self-attention only:
     a query sees the earlier keys of its own row (the fused kernels skip every other key)."""
     if spans is not None and (not causal or mask is not None or spans.shape != q.shape[:2] + (2,)):
-        raise ShapeError(f"attention: spans {spans.shape} need causal self-attention without a mask "
-                         f"and shape {q.shape[:2] + (2,)}")
+        raise ShapeError(f"attention: spans {spans.shape} need causal self-attention "
+                         f"without a mask and shape {q.shape[:2] + (2,)}")
     if fused and fused_applies(q, k, v, causal):
         return fused_attention(q, k, v, mask, causal, spans)
     if spans is not None:
@@ -48,20 +48,23 @@ def spans_mask(spans: Tensor) -> Tensor:
 
 def fused_applies(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
     """The kernels give each workgroup 64 queries (or keys) of one (batch, kv head): with a handful
-    of queries (decode) most lanes idle and the composite is faster. They load 8 floats at a time (D %
-    8 == 0: as 64-bit integers with shaderInt64, else as two vec4: kernels/pack8.glsl) and keep G =
-    Hq / Hkv heads of D floats in registers."""
+    of queries (decode) most lanes idle and the composite is faster. They load 8 floats at a time (D
+    % 8 == 0: as 64-bit integers with shaderInt64, else as two vec4: kernels/pack8.glsl) and keep G
+    = Hq / Hkv heads of D floats in registers."""
     B, Tq, Hq, D = q.shape
-    return (Tq >= 16 and D % 8 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B and Hq % k.shape[2] == 0
+    return (Tq >= 16 and D % 8 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B
+            and Hq % k.shape[2] == 0
             and Hq // k.shape[2] <= 8 and v.shape == k.shape and (not causal or Tq == k.shape[1]))
 
 
 def _defines(dev, D, G, **more) -> dict:
-    """The kernels' defines: head size, heads per kv head, and NO_INT64 where the device lacks it."""
+    """The kernels' defines: head size, heads per kv head, and NO_INT64 where the device lacks
+    it."""
     return {"D": D, "G": G, **more, **({} if has_int64(dev) else {"NO_INT64": 1})}
 
 
-def attention_composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, causal: bool = True) -> Tensor:
+def attention_composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                       causal: bool = True) -> Tensor:
     """Self-attention with grouped-query heads.
     q: (B, Tq, Hq, D); k, v: (B, Tk, Hkv, D), Hq a multiple of Hkv (query head h reads kv head
     h // (Hq/Hkv), as in Llama). causal (Tq == Tk): key j is visible to query i when j <= i.
@@ -70,22 +73,23 @@ def attention_composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = No
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     if k.shape != (B, Tk, Hkv, D) or v.shape != k.shape or Hq % Hkv:
-        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}: need k, v (B, Tk, Hkv, D) "
-                         f"with Hq divisible by Hkv")
+        raise ShapeError(f"attention: q {q.shape}, k {k.shape}, v {v.shape}: need k, v (B, "
+                         f"Tk, Hkv, D) with Hq divisible by Hkv")
     if causal and Tq != Tk:
         raise ShapeError(f"attention: a causal mask needs as many keys as queries ({Tq} vs {Tk})")
     g = Hq // Hkv
-    qh = q.reshape(B, Tq, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * Tq, D)  # rows: (j, t)
-    kh = k.permute(0, 2, 1, 3)                                                           # (B, Hkv, Tk, D)
+    # rows: (j, t)
+    qh = q.reshape(B, Tq, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, g * Tq, D)
+    kh = k.permute(0, 2, 1, 3)  # (B, Hkv, Tk, D)
     vh = v.permute(0, 2, 1, 3)
-    s = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(D))                              # (B, Hkv, g*Tq, Tk)
+    s = (qh @ kh.transpose(-1, -2)) * (1.0 / math.sqrt(D))  # (B, Hkv, g*Tq, Tk)
     s = s.reshape(B, Hkv, g, Tq, Tk)
     if causal:
         s = s + causal_mask(Tq)
     if mask is not None:
         s = s + (mask.reshape(B, 1, 1, Tq, Tk) if mask.ndim == 3 else mask)
     p = softmax(s, -1).reshape(B, Hkv, g * Tq, Tk)
-    o = p @ vh                                                                           # (B, Hkv, g*Tq, D)
+    o = p @ vh  # (B, Hkv, g*Tq, D)
     return o.reshape(B, Hkv, g, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
 
 
@@ -101,8 +105,8 @@ class FusedAttention(CustomOp):
 
     def record(self, rec, out, srcs):
         B, Tq, Tk, Hq, Hkv, D = self.dims
-        k = build_kernel(rec.device, "attention.comp", self.name, _defines(rec.device, D, Hq // Hkv), 5,
-                         PUSH_SIZE, (64, 1, 1))
+        k = build_kernel(rec.device, "attention.comp", self.name,
+                         _defines(rec.device, D, Hq // Hkv), 5, PUSH_SIZE, (64, 1, 1))
         mask = srcs[3] if self.has_mask else srcs[0]      # an unused binding still needs a buffer
         groups = (-(-Tq // 64), Hkv, B)         # a workgroup = 64 queries of one (batch, kv head)
         rec.dispatch(k, [out, srcs[0], srcs[1], srcs[2], mask], groups,
@@ -111,7 +115,8 @@ class FusedAttention(CustomOp):
 
     def flops(self, node) -> int:
         B, Tq, Tk, Hq, Hkv, D = self.dims
-        return 4 * B * Hq * Tq * Tk * D // (2 if self.causal else 1)      # QK^T and PV, half under causality
+        # QK^T and PV, half under causality
+        return 4 * B * Hq * Tq * Tk * D // (2 if self.causal else 1)
 
     def backward(self, node, g, q, k, v, *mask):
         B, Tq, Tk, Hq, Hkv, D = self.dims
@@ -122,15 +127,17 @@ class FusedAttention(CustomOp):
                     requires_grad=False) if q.requires_grad else None
         dk = dv = None
         if k.requires_grad or v.requires_grad:
-            dkv = custom(AttentionBackward(*args, PASS_DKV), [q, k, v, g, stats, *mask], (2,) + k.shape,
-                         requires_grad=False)
+            dkv = custom(AttentionBackward(*args, PASS_DKV), [q, k, v, g, stats, *mask],
+                         (2,) + k.shape, requires_grad=False)
             dk, dv = (dkv[0] if k.requires_grad else None), (dkv[1] if v.requires_grad else None)
         return (dq, dk, dv) + (None,) * len(mask)
 
 
 PASS_STATS, PASS_DQ, PASS_DKV = 0, 1, 2
-# which source fills each binding of kernels/attention_backward.comp (out, q, k, v, g, stats, o, mask)
-_BINDINGS = {PASS_STATS: ("q", "k", None, "g", None, "o"), PASS_DQ: ("q", "k", "v", "g", "stats", None),
+# which source fills each binding of kernels/attention_backward.comp (out, q, k, v, g, stats, o,
+# mask)
+_BINDINGS = {PASS_STATS: ("q", "k", None, "g", None, "o"),
+             PASS_DQ: ("q", "k", "v", "g", "stats", None),
              PASS_DKV: ("q", "k", "v", "g", "stats", None)}
 
 
@@ -150,7 +157,8 @@ class AttentionBackward(CustomOp):
         mask = srcs[-1] if self.has_mask else srcs[0]        # unused bindings still need a buffer
         bufs = [out] + [given.get(n, srcs[0]) if n else srcs[0] for n in names] + [mask]
         k = build_kernel(rec.device, "attention_backward.comp", self.name,
-                         _defines(rec.device, D, Hq // Hkv, PASS=self.pass_), 8, PUSH_SIZE, (64, 1, 1))
+                         _defines(rec.device, D, Hq // Hkv, PASS=self.pass_), 8, PUSH_SIZE,
+                         (64, 1, 1))
         groups = (-(-Tk // 128), Hkv, B) if self.pass_ == PASS_DKV else (-(-Tq // 64), Hkv, B)
         rec.dispatch(k, bufs, groups, struct.pack(PUSH, B, Tq, Tk, Hq, Hkv, int(self.causal),
                                                   int(self.has_mask), 1.0 / math.sqrt(D)))
@@ -184,7 +192,8 @@ def builtin_variants(dev) -> list[str]:
         names.append(f"attention_d{d}_g{g}")
         for p in (PASS_STATS, PASS_DQ, PASS_DKV):
             name = f"attention_backward{p}_d{d}_g{g}"
-            compile_glsl(name, kernel_source("attention_backward.comp"), {"D": d, "G": g, "PASS": p})
+            compile_glsl(name, kernel_source("attention_backward.comp"),
+                         {"D": d, "G": g, "PASS": p})
             names.append(name)
     return names
 
@@ -196,7 +205,8 @@ def _traced_steps(B, T, Hq, Hkv, D, fns) -> tuple[dict, object]:
 
     import vkdsl
     rng = np.random.default_rng(0)
-    arrays = [rng.standard_normal(s, dtype=np.float32) for s in ((B, T, Hq, D), (B, T, Hkv, D), (B, T, Hkv, D))]
+    arrays = [rng.standard_normal(s, dtype=np.float32)
+              for s in ((B, T, Hq, D), (B, T, Hkv, D), (B, T, Hkv, D))]
     g = rng.standard_normal((B, T, Hq, D), dtype=np.float32)
     steps = {}
     for name, fn in fns:
@@ -250,6 +260,8 @@ if __name__ == "__main__":
     both = "--fused-only" not in sys.argv
     best = bench(*dims, reps=5 if both else 2, composed=both)
     B, T, Hq, Hkv, D = dims
-    rate = 4.5 * 4 * B * Hq * T * T / 2 * D / best["fused"] / 1e9     # forward 1x, backward 3.5x its flops
+    # forward 1x, backward 3.5x its flops
+    rate = 4.5 * 4 * B * Hq * T * T / 2 * D / best["fused"] / 1e9
     print(f"attention forward + backward {dims}: fused {best['fused']:.3f} s (~{rate:.1f} GFLOP/s)"
-          + (f", composed {best['composed']:.3f} s, ratio {best['composed'] / best['fused']:.2f}" if both else ""))
+          + (f", composed {best['composed']:.3f} s, ratio {best['composed'] / best['fused']:.2f}"
+             if both else ""))

@@ -59,9 +59,11 @@ def _row(name, fn, arrays, np_fn, fp32=None):
     progs = {"device": _program(fn, arrays)}
     if fp32 is not None:
         progs["fp32"] = _program(*fp32)
-    best = _interleaved({**{k: p.recording.submit_wait for k, (p, _) in progs.items()}, "numpy": np_fn})
+    best = _interleaved({**{k: p.recording.submit_wait for k, (p, _) in progs.items()},
+                         "numpy": np_fn})
     row = {"name": name, "device_ms": best["device"] * 1e3, "numpy_ms": best["numpy"] * 1e3,
-           "ratio": best["device"] / best["numpy"], "nmse_vs_numpy": _nmse(progs["device"][1], np_fn())}
+           "ratio": best["device"] / best["numpy"],
+           "nmse_vs_numpy": _nmse(progs["device"][1], np_fn())}
     if fp32 is not None:
         row.update(fp32_device_ms=best["fp32"] * 1e3, quant_over_fp32=best["device"] / best["fp32"])
     for p, _ in progs.values():
@@ -94,7 +96,8 @@ def _np_attention(q, k, v, g=None):
     T, Hq, D = q.shape
     Hkv = k.shape[1]
     rep = Hq // Hkv
-    qh, kh, vh = q.transpose(1, 0, 2), np.repeat(k.transpose(1, 0, 2), rep, 0), np.repeat(v.transpose(1, 0, 2), rep, 0)
+    qh, kh, vh = (q.transpose(1, 0, 2), np.repeat(k.transpose(1, 0, 2), rep, 0),
+                  np.repeat(v.transpose(1, 0, 2), rep, 0))
     s = qh @ kh.transpose(0, 2, 1) / np.float32(math.sqrt(D))
     s += np.triu(np.full((T, T), -np.inf, np.float32), 1)
     p = _np_softmax(s)
@@ -147,18 +150,19 @@ def bench_ce(rows=256, vocab=49152, seed=0):
     rng = np.random.default_rng(seed)
     z = rng.standard_normal((rows, vocab), dtype=np.float32) * np.float32(3)
     labels = rng.integers(0, vocab, rows).astype(np.int32)
-    labels[::4] = losses.IGNORE                               # a quarter unsupervised (prompt tokens)
+    labels[::4] = losses.IGNORE  # a quarter unsupervised (prompt tokens)
 
     def fwd(zi, li):
         return losses.cross_entropy(zi, li)[0]
 
     def fwd_bwd(zi, li):
-        zi.requires_grad = True                   # the traced input placeholder: differentiate w.r.t. it
+        zi.requires_grad = True  # the traced input placeholder: differentiate w.r.t. it
         loss = losses.cross_entropy(zi, li)[0]
         return [loss, grad(loss, [zi])[0]]
     name = f"softmax+masked CE {rows}x{vocab}"
     return [_row(name + " fwd", fwd, (z, labels), lambda: _np_ce(z, labels, False)),
-            _row(name + " fwd+bwd (dlogits)", fwd_bwd, (z, labels), lambda: _np_ce(z, labels, True))]
+            _row(name + " fwd+bwd (dlogits)", fwd_bwd, (z, labels),
+                 lambda: _np_ce(z, labels, True))]
 
 
 def bench_qmatmul(M=256, K=576, N=1536, fmt="q4_1", seed=0):
@@ -170,7 +174,7 @@ def bench_qmatmul(M=256, K=576, N=1536, fmt="q4_1", seed=0):
     w = rng.standard_normal((N, K), dtype=np.float32)
     raw = gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, fmt.upper()))
     qw = quant.from_gguf(raw, fmt)
-    wd = qw.dequantize()                                     # (N, K) fp32, what the shader computes with
+    wd = qw.dequantize()  # (N, K) fp32, what the shader computes with
     x = rng.standard_normal((M, K), dtype=np.float32)
     g = rng.standard_normal((M, N), dtype=np.float32)
     arrays = packed_arrays(qw, fmt)
@@ -186,9 +190,11 @@ def bench_qmatmul(M=256, K=576, N=1536, fmt="q4_1", seed=0):
         return [y, grad(y, [xt], upstream=gi)[0]]
     rows = []
     for label, q_fn, f_fn, np_fn, arr in (
-            ("fwd", lambda xi: qlinear(xi, arrays, fmt, (N, K)), lambda xi: xi @ Wt.T, lambda: x @ wd.T, x),
+            ("fwd", lambda xi: qlinear(xi, arrays, fmt, (N, K)), lambda xi: xi @ Wt.T,
+             lambda: x @ wd.T, x),
             ("fwd+bwd (dx)", q_fwd_bwd, f_fwd_bwd, lambda: (x @ wd.T, g @ wd), g)):
-        rows.append(_row(f"{fmt} matmul {M}x{K} . ({N}x{K})^T {label}", q_fn, (arr,), np_fn, fp32=(f_fn, (arr,))))
+        rows.append(_row(f"{fmt} matmul {M}x{K} . ({N}x{K})^T {label}", q_fn, (arr,), np_fn,
+                         fp32=(f_fn, (arr,))))
     return rows
 
 
@@ -201,10 +207,12 @@ def bench_attention(T=256, Hq=9, Hkv=3, D=64, seed=0):
     qt, kt, vt = (vkdsl.tensor(a, requires_grad=True) for a in (q, k, v))
 
     def fwd(qi, ki, vi):
-        return attention.attention(qi.reshape(1, T, Hq, D), ki.reshape(1, T, Hkv, D), vi.reshape(1, T, Hkv, D))
+        return attention.attention(qi.reshape(1, T, Hq, D), ki.reshape(1, T, Hkv, D),
+                                   vi.reshape(1, T, Hkv, D))
 
     def fwd_bwd(gi):
-        o = attention.attention(qt.reshape(1, T, Hq, D), kt.reshape(1, T, Hkv, D), vt.reshape(1, T, Hkv, D))
+        o = attention.attention(qt.reshape(1, T, Hq, D), kt.reshape(1, T, Hkv, D),
+                                vt.reshape(1, T, Hkv, D))
         return [o, *grad(o, [qt, kt, vt], upstream=gi.reshape(1, T, Hq, D))]
     name = f"attention causal T={T} Hq={Hq} Hkv={Hkv} D={D}"
     return [_row(name + " fwd", fwd, (q, k, v), lambda: _np_attention(q, k, v)),
@@ -227,10 +235,12 @@ def bench_quant(shapes=((1024, 1024), (576, 1536)), fmts=("int4", "int4_f16", "n
             deq = out.numpy()
             qw = op.packed()
             stored, fp32 = qw.device_bytes, w.nbytes
-            rel = float(np.linalg.norm((deq.astype(np.float64) - w)) / np.linalg.norm(w.astype(np.float64)))
+            rel = float(np.linalg.norm((deq.astype(np.float64) - w))
+                        / np.linalg.norm(w.astype(np.float64)))
             rows.append({"fmt": fmt, "shape": "x".join(map(str, shape)), "stored_bytes": stored,
                          "format_bytes": qw.format_bytes, "fp32_bytes": fp32,
-                         "ratio": stored / fp32, "bits_per_weight": 8 * stored / w.size, "rel_frobenius_error": rel})
+                         "ratio": stored / fp32, "bits_per_weight": 8 * stored / w.size,
+                         "rel_frobenius_error": rel})
     return rows
 
 

@@ -15,7 +15,8 @@ from vkdsl_golden.dispatch import GRAD_INPUTS, evaluate
 def _forward(op, gout_shape):
     def reference(*ins, **params):
         gout = np.zeros(gout_shape) if op in GRAD_INPUTS else None
-        return {k: v for k, v in evaluate(op, ins, params, gout).items() if not k.startswith("grad_in")}
+        return {k: v for k, v in evaluate(op, ins, params, gout).items()
+                if not k.startswith("grad_in")}
     return reference
 
 
@@ -37,8 +38,9 @@ def _device(op):
 def _case(g) -> Case:
     chk = REGISTRY.get(g.op)
     return Case(g.name, _device(g.op), _forward(g.op, g.gout_shape), g.make,
-                limit=chk.limit if chk else 0.0, reason=chk.reason if chk else "no device implementation",
-                params=g.params, grads=GRAD_INPUTS.get(g.op, ()),
+                limit=chk.limit if chk else 0.0,
+                reason=chk.reason if chk else "no device implementation", params=g.params,
+                grads=GRAD_INPUTS.get(g.op, ()),
                 grad_reference=_gradients(g.op) if g.op in GRAD_INPUTS else None, op=g.op,
                 unsupported=chk.unsupported if chk else None, where="builtin")
 

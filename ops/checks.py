@@ -9,8 +9,8 @@ from . import attention, gated_delta, losses, nn
 from .lora import LoRA, lora_linear
 from .optim import adamw_update, clip_by_global_norm
 
-_SOFT = (1e-9, "exp/log over a row plus a sum of <= 49152 terms in fp32: NMSE ~ n*eps^2 ~ 7e-10 worst "
-               "case, typically far less")
+_SOFT = (1e-9, "exp/log over a row plus a sum of <= 49152 terms in fp32: NMSE ~ n*eps^2 ~ "
+               "7e-10 worst case, typically far less")
 _LOSS = (1e-8, "composite of log-softmax, masked sums and a division in fp32; gradients add "
                "a backward pass of the same depth")
 _NET = (1e-8, "chains of fp32 matmuls (K <= 64) and reductions forward and backward")
@@ -53,8 +53,8 @@ def _attention(i, p):
 def _adamw(i, p):
     t = p["step"]
     b1, b2 = p["beta1"], p["beta2"]
-    new_p, m, v = adamw_update(i[0], i[1], i[2], i[3], p["lr"], 1 / (1 - b1 ** t), 1 / (1 - b2 ** t),
-                               b1, b2, p["eps"], p["weight_decay"])
+    new_p, m, v = adamw_update(i[0], i[1], i[2], i[3], p["lr"], 1 / (1 - b1 ** t),
+                               1 / (1 - b2 ** t), b1, b2, p["eps"], p["weight_decay"])
     return {"out": new_p, "out_m": m, "out_v": v}
 
 
@@ -72,14 +72,17 @@ register("rmsnorm", lambda i, p: nn.rmsnorm(i[0], i[1], p["eps"]), *_NET)
 register("rope", _rope, 1e-8, "cos/sin tables from float64 angles rounded to fp32 (positions up to "
                               "4095 are exact there); one fp32 rotation per pair")
 register("silu", lambda i, p: nn.silu(i[0]), 1e-10, "exp plus two correctly rounded operations")
-register("swiglu", lambda i, p: nn.swiglu(i[0], i[1]), 1e-10, "exp plus three correctly rounded operations")
+register("swiglu", lambda i, p: nn.swiglu(i[0], i[1]), 1e-10,
+         "exp plus three correctly rounded operations")
 register("attention", _attention, *_NET)
 register("gated_delta", lambda i, p: gated_delta.chunked(*i, chunk=p["chunk"])[0], 1e-10,
-         "the chunked delta rule in fp32: per chunk matmuls over <= 128 features and a forward-substitution "
-         "solve whose entries stay O(1) (|k| = 1, beta < 1, decays <= 1), then the state carried across "
-         "<= 3 chunks; errors ~1e-7 relative (NMSE ~1e-13) against the float64 step-by-step loop")
+         "the chunked delta rule in fp32: per chunk matmuls over <= 128 features and a "
+         "forward-substitution solve whose entries stay O(1) (|k| = 1, beta < 1, decays <= 1), "
+         "then the state carried across <= 3 chunks; errors ~1e-7 relative (NMSE ~1e-13) against "
+         "the float64 step-by-step loop")
 register("tri_inverse", lambda i, p: gated_delta.tri_inverse(i[0]), 1e-12,
-         "forward substitution over <= 64 rows of O(0.3) entries: a few correctly rounded fp32 operations "
-         "per term, NMSE ~ n eps^2")
+         "forward substitution over <= 64 rows of O(0.3) entries: a few correctly rounded fp32 "
+         "operations per term, NMSE ~ n eps^2")
 register("adamw", _adamw, 1e-10, "a few correctly rounded fp32 operations per element and one sqrt")
-register("clip_grad_norm", _clip, 1e-10, "an fp32 sum of squares over <= 1023 terms, then one scale")
+register("clip_grad_norm", _clip, 1e-10,
+         "an fp32 sum of squares over <= 1023 terms, then one scale")

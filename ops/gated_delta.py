@@ -34,8 +34,10 @@ class TriInverse(CustomOp):
         self.name = "tri_inverse"
 
     def record(self, rec, out, srcs):
-        k = build_kernel(rec.device, "tri_inverse.comp", self.name, {"N": MAX_CHUNK}, 2, PUSH, (64, 1, 1))
-        rec.dispatch(k, [out, srcs[0]], grid_for(rec.device, self.mats * self.n), PUSH.pack(self.mats, self.n))
+        k = build_kernel(rec.device, "tri_inverse.comp", self.name, {"N": MAX_CHUNK}, 2, PUSH,
+                         (64, 1, 1))
+        rec.dispatch(k, [out, srcs[0]], grid_for(rec.device, self.mats * self.n),
+                     PUSH.pack(self.mats, self.n))
 
     def flops(self, node) -> int:
         return self.mats * self.n ** 3 // 3
@@ -60,21 +62,25 @@ def _mask(n: int, diagonal: int) -> Tensor:
     """Lower-triangular 0/1 (n, n) constant: 1 where column <= row + diagonal."""
     key = (n, diagonal)
     if key not in _masks:
-        _masks[key] = vkdsl.tensor(np.tril(np.ones((n, n), np.float32), diagonal), name=f"tril{n}_{diagonal}")
+        _masks[key] = vkdsl.tensor(np.tril(np.ones((n, n), np.float32), diagonal),
+                                   name=f"tril{n}_{diagonal}")
     return _masks[key]
 
 
 def _check(q, k, v, g, beta, state):
     B, T, H, dk = k.shape
-    if q.shape != k.shape or v.shape[:3] != (B, T, H) or g.shape != (B, T, H) or beta.shape != (B, T, H):
-        raise ShapeError(f"gated delta rule: q {q.shape}, k {k.shape} must be (B, T, H, dk), v {v.shape} "
-                         f"(B, T, H, dv), g {g.shape} and beta {beta.shape} (B, T, H)")
+    if (q.shape != k.shape or v.shape[:3] != (B, T, H) or g.shape != (B, T, H)
+        or beta.shape != (B, T, H)):
+        raise ShapeError(f"gated delta rule: q {q.shape}, k {k.shape} must be (B, T, H, dk), v "
+                         f"{v.shape} (B, T, H, dv), g {g.shape} and beta {beta.shape} (B, T, H)")
     if state is not None and state.shape != (B, H, dk, v.shape[-1]):
-        raise ShapeError(f"gated delta rule: state {state.shape}, expected {(B, H, dk, v.shape[-1])}")
+        raise ShapeError(f"gated delta rule: state {state.shape}, expected "
+                         f"{(B, H, dk, v.shape[-1])}")
 
 
 def _concat(parts: list, axis: int) -> Tensor:
-    """Tensors equal but for `axis`, joined along it (pairwise, so each level copies the total once)."""
+    """Tensors equal but for `axis`, joined along it (pairwise, so each level copies the total
+    once)."""
     while len(parts) > 1:
         joined = []
         for a, b in zip(parts[0::2], parts[1::2]):
@@ -100,8 +106,8 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int
     B, T, H, dk = k.shape
     dv = v.shape[-1]
     if segments is not None and (state is not None or segments.shape != (B, T)):
-        raise ShapeError(f"gated delta rule: segments {segments.shape} must be (B, T) = {(B, T)}, and packed "
-                         f"sequences start from no state")
+        raise ShapeError(f"gated delta rule: segments {segments.shape} must be (B, T) = {(B, T)}, "
+                         f"and packed sequences start from no state")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 0 < chunk <= MAX_CHUNK:
         raise ValueError(f"gated delta rule: chunk must be in 1..{MAX_CHUNK}, got {chunk!r}")
     C = min(chunk, T)
@@ -114,20 +120,23 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int
         x = x.pad(((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3))
         return x.reshape(B, H, N, C, *x.shape[3:])
     q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
-    G = (g.reshape(B, H, N, 1, C) @ _mask(C, 0).transpose(0, 1)).reshape(B, H, N, C)   # cumulative log decay
+    # cumulative log decay
+    G = (g.reshape(B, H, N, 1, C) @ _mask(C, 0).transpose(0, 1)).reshape(B, H, N, C)
     lower = _mask(C, 0)
     decay = lower.where(G.reshape(B, H, N, C, 1) - G.reshape(B, H, N, 1, C), 0.0).exp() * lower
     carry = to_last = None
-    if segments is not None:             # (B, 1, N, C) ids; appended steps get id 0 (they write nothing)
+    if segments is not None:  # (B, 1, N, C) ids; appended steps get id 0 (they write nothing)
         seg = segments.pad(((0, 0), (0, pad))).reshape(B, 1, N, C)
         decay = decay * seg.reshape(B, 1, N, C, 1).eq(seg.reshape(B, 1, N, 1, C))
         ends = seg[:, :, :, C - 1:C]                                   # the id each chunk ends in
-        before = ends.pad(((0, 0), (0, 0), (1, 0), (0, 0)))[:, :, :N]  # ... the one before it ended in
+        # ... the one before it ended in
+        before = ends.pad(((0, 0), (0, 0), (1, 0), (0, 0)))[:, :, :N]
         carry, to_last = seg.eq(before), seg.eq(ends)                  # (B, 1, N, C) 0/1
     kT = k.transpose(-1, -2)
-    solve = tri_inverse(beta.reshape(B, H, N, C, 1) * (k @ kT) * decay)   # reads below the diagonal only
+    # reads below the diagonal only
+    solve = tri_inverse(beta.reshape(B, H, N, C, 1) * (k @ kT) * decay)
     eG = G.exp()
-    reach = eG if carry is None else eG * carry                 # how much of the entering state a step sees
+    reach = eG if carry is None else eG * carry  # how much of the entering state a step sees
     U0 = solve @ (v * beta.reshape(B, H, N, C, 1))
     W = solve @ (k * (beta * reach).reshape(B, H, N, C, 1))
     qs = q * s

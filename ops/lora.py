@@ -30,7 +30,8 @@ class LoRA:
         bound = 1.0 / math.sqrt(d_in)
         A = rng.uniform(-bound, bound, (d_in, r)).astype(np.float32)
         return LoRA(vkdsl.tensor(A, requires_grad=True, name=f"{name}.lora_A"),
-                    vkdsl.tensor(np.zeros((r, d_out), np.float32), requires_grad=True, name=f"{name}.lora_B"),
+                    vkdsl.tensor(np.zeros((r, d_out), np.float32), requires_grad=True,
+                                 name=f"{name}.lora_B"),
                     lora_scale(alpha, r, rslora))
 
     def delta(self, x: Tensor) -> Tensor:

@@ -21,8 +21,8 @@ def check_labels(labels: np.ndarray, vocab: int, what: str = "labels"):
     bad = (labels >= vocab) | ((labels < 0) & (labels != IGNORE))
     if bad.any():
         r = np.argwhere(bad)[0]
-        raise ValueError(f"{what}: value {labels[tuple(r)]} at {tuple(int(i) for i in r)} is outside "
-                         f"[0, {vocab}) and is not the ignore index {IGNORE}")
+        raise ValueError(f"{what}: value {labels[tuple(r)]} at {tuple(int(i) for i in r)} "
+                         f"is outside [0, {vocab}) and is not the ignore index {IGNORE}")
     if not (labels != IGNORE).any():
         raise ValueError(f"{what}: the batch has no supervised token (every label is {IGNORE}); "
                          f"a mean over zero tokens has no value")
@@ -32,8 +32,8 @@ def _check_pair(logits: Tensor, labels: Tensor):
     if labels.dtype != "int32":
         raise TypeError(f"labels must be int32, got {labels.dtype}")
     if logits.shape[:-1] != labels.shape:
-        raise ShapeError(f"logits {logits.shape} and labels {labels.shape}: labels must have the logits' shape "
-                         f"without the vocabulary axis")
+        raise ShapeError(f"logits {logits.shape} and labels {labels.shape}: labels must have the "
+                         f"logits' shape without the vocabulary axis")
     if labels.op == "buffer":
         check_labels(labels.numpy(), logits.shape[-1])
 
@@ -61,14 +61,16 @@ def greedy_gap(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Masked cross-entropy: (mean over supervised tokens, per-position losses (0 where ignored))."""
+    """Masked cross-entropy: (mean over supervised tokens, per-position losses (0 where
+    ignored))."""
     lp, mask = token_logprobs(logits, labels)
     per = -lp
     return per.sum() / mask.sum(), per
 
 
 def sequence_logprob(logits: Tensor, labels: Tensor) -> Tensor:
-    """Sum of token log-probs over each sequence's supervised (response) tokens: (B, T, V) -> (B,)."""
+    """Sum of token log-probs over each sequence's supervised (response) tokens: (B, T, V) ->
+    (B,)."""
     lp, _ = token_logprobs(logits, labels)
     return lp.sum(-1)
 

@@ -24,7 +24,8 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
 def logsumexp(x: Tensor, axis: int = -1, keepdim: bool = False) -> Tensor:
     m = x.max(axis, keepdim=True)
     out = (x - m).exp().sum(axis, keepdim=True).log() + m
-    return out if keepdim else out.reshape(tuple(s for i, s in enumerate(out.shape) if i != axis % x.ndim))
+    return (out if keepdim
+            else out.reshape(tuple(s for i, s in enumerate(out.shape) if i != axis % x.ndim)))
 
 
 def sigmoid(x: Tensor) -> Tensor:
@@ -50,7 +51,8 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
     return x * ((x * x).mean(-1, keepdim=True) + eps).rsqrt() * weight
 
 
-def rope_tables(positions, head_dim: int, base: float, divisors=None) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions, head_dim: int, base: float,
+                divisors=None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin of shape (T, head_dim/2): angle = pos * base^(-2i/head_dim) / divisors[i], in
     float64 (divisors: a scaled RoPE such as Llama 3's; None: plain)."""
     inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -66,7 +68,8 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     has its own positions (packed rows restart theirs)."""
     *lead, T, H, D = x.shape
     if D % 2 or cos.shape not in ((T, D // 2), (*lead, T, D // 2)) or sin.shape != cos.shape:
-        raise ShapeError(f"rope: x {x.shape} needs cos/sin of shape ({T}, {D // 2}), got {cos.shape}, {sin.shape}")
+        raise ShapeError(f"rope: x {x.shape} needs cos/sin of shape ({T}, {D // 2}), got "
+                         f"{cos.shape}, {sin.shape}")
     xp = x.reshape(*lead, T, H, D // 2, 2)
     x0, x1 = xp[..., 0], xp[..., 1]                       # (..., T, H, D/2)
     c, s = cos.reshape(*cos.shape[:-1], 1, D // 2), sin.reshape(*sin.shape[:-1], 1, D // 2)

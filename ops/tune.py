@@ -23,7 +23,8 @@ MARGIN = 0.03           # a candidate must be this much faster than the default 
 
 
 def _weight(fmt: str, n: int, k: int, rng):
-    """A packed example weight, or None where no host quantizer exists (gguf-py lacks the K-quants')."""
+    """A packed example weight, or None where no host quantizer exists (gguf-py lacks the
+    K-quants')."""
     from .quant.bench import example_weight
     try:
         return example_weight(fmt, rng.standard_normal((n, k)).astype(np.float32))
@@ -61,7 +62,8 @@ def _case(dev, op: str, form: str, M: int, N: int, K: int, rng):
     return plan, lambda rec, p: record_qmatmul(rec, p, C, X, *qbufs), C, rows * cols
 
 
-def tune_shape(dev, op: str, form: str, M: int, N: int, K: int, rounds: int = 3, say=print) -> dict | None:
+def tune_shape(dev, op: str, form: str, M: int, N: int, K: int, rounds: int = 3,
+               say=print) -> dict | None:
     """Measure the tiles on one shape -> its tuning entry (tile, ms per candidate), or None."""
     rng = np.random.default_rng(0)
     case = _case(dev, op, form, M, N, K, rng)
@@ -77,7 +79,7 @@ def tune_shape(dev, op: str, form: str, M: int, N: int, K: int, rounds: int = 3,
             continue
         rec = Recording(dev, 1)
         record(rec, p)
-        C.write(np.full(C.nbytes // 4, np.nan, np.float32))     # nothing left over from another tile
+        C.write(np.full(C.nbytes // 4, np.nan, np.float32))  # nothing left over from another tile
         rec.submit_wait()
         recs[tile] = (rec, C.read(np.float32, count).copy())
     want = recs[tuning.DEFAULT_TILE][1]
@@ -95,16 +97,18 @@ def tune_shape(dev, op: str, form: str, M: int, N: int, K: int, rounds: int = 3,
         best = tuning.DEFAULT_TILE
     differ = sorted(set(recs) - same)
     say(f"  {op} {form} {M}x{N}x{K}: {best[0]}x{best[1]} {ms[best]:.2f} ms (default "
-        f"{ms[tuning.DEFAULT_TILE]:.2f} ms)" + (f"; results differ, never chosen: {differ}" if differ else ""))
-    return {"tile": list(best), "shape": [M, N, K], "ms": {f"{t[0]}x{t[1]}": round(v, 3) for t, v in ms.items()},
+        f"{ms[tuning.DEFAULT_TILE]:.2f} ms)"
+        + (f"; results differ, never chosen: {differ}" if differ else ""))
+    return {"tile": list(best), "shape": [M, N, K],
+            "ms": {f"{t[0]}x{t[1]}": round(v, 3) for t, v in ms.items()},
             "differ": [f"{t[0]}x{t[1]}" for t in differ]}
 
 
 def tune(dev, shapes, rounds: int = 3, say=print) -> tuple[str, dict]:
     """Tune each shape class once (its first shape stands for it) -> (tuning file, new entries)."""
     if default_variant(dev) != "lvp":
-        raise ValueError(f"{dev.info.describe()} runs the shared-memory GPU kernels, whose tiles follow its "
-                         f"limits; only the CPU-driver (lvp) kernels are tuned so far")
+        raise ValueError(f"{dev.info.describe()} runs the shared-memory GPU kernels, whose tiles "
+                         f"follow its limits; only the CPU-driver (lvp) kernels are tuned so far")
     seen, new = set(), {}
     for op, form, M, N, K in shapes:
         key = tuning.shape_class(op, form, M, N, K)

@@ -1,6 +1,6 @@
 """The shape of the code, checked: no import cycle among product modules (imports inside
-functions count), imports flow one way between the layers, no product file grows past 400 lines,
-and the README's layout table names what is in the tree."""
+functions count), imports flow one way between the layers, no product file grows past 400 lines
+or holds a line over 100 characters, and the README's layout table names what is in the tree."""
 import ast
 import re
 from pathlib import Path
@@ -20,6 +20,7 @@ FORBIDDEN = {
     "vkdsl_golden": ("vkdsl",),
 }
 MAX_LINES = 400
+MAX_WIDTH = 100
 
 
 def product_modules() -> dict[str, Path]:
@@ -134,8 +135,10 @@ def test_imports_flow_one_way():
 
 @pytest.mark.parametrize("mod", sorted(product_modules()))
 def test_product_files_stay_small(mod):
-    n = len(product_modules()[mod].read_text().splitlines())
-    assert n <= MAX_LINES, f"{mod}: {n} lines; split it by role"
+    lines = product_modules()[mod].read_text().splitlines()
+    assert len(lines) <= MAX_LINES, f"{mod}: {len(lines)} lines; split it by role"
+    wide = [i + 1 for i, line in enumerate(lines) if len(line) > MAX_WIDTH]
+    assert wide == [], f"{mod}: lines {wide[:5]} are over {MAX_WIDTH} characters"
 
 
 def test_readme_layout_table_matches_the_tree():

@@ -18,7 +18,8 @@ def builtin():
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[c["name"] for c in ENTRIES])
 def test_golden_case(dev, builtin, entry):
-    from vkdsl.cases import run, stale
+    from vkdsl.case_goldens import stale
+    from vkdsl.cases import run
     from vkdsl.verify import REGISTRY
     assert entry["op"] in REGISTRY, f"no device implementation registered for {entry['op']}"
     case, arrays = builtin[entry["name"]], store.load_case(entry)

@@ -2,9 +2,10 @@
 objectives vkdsl-train builds (trainer.SftObjective / the Stepper, dpo.DpoObjective), with the host
 AdamW, clipping and write-back included. Rows: SFT on SmolLM2-135M at batch 4 x 256 (every position
 supervised, adapters on q,v and on all seven projections of every layer, TMKL off), one step of the
-default job as vkdsl-train runs it (its rows, adapters, TMKL, frozen prefix; default model only), and with
-`--objective dpo` a DPO step of 4 pairs x 64 response tokens (reference precomputed). Beside them,
-in the same process, the numpy float32 forward of the same tokens (no numpy backward exists)."""
+default job as vkdsl-train runs it (its rows, adapters, TMKL, frozen prefix; default model only),
+and with `--objective dpo` a DPO step of 4 pairs x 64 response tokens (reference precomputed).
+Beside them, in the same process, the numpy float32 forward of the same tokens (no numpy backward
+exists)."""
 from __future__ import annotations
 
 import gc
@@ -42,8 +43,8 @@ class FixedBatch:
 
 
 class StepperObjective:
-    """The SFT objective's gradient (Stepper.gradient, as trainer.SftObjective calls it) on one fixed
-    micro-batch, so loop.one_step times exactly the trainer's step at the bench shapes."""
+    """The SFT objective's gradient (Stepper.gradient, as trainer.SftObjective calls it) on one
+    fixed micro-batch, so loop.one_step times exactly the trainer's step at the bench shapes."""
     stage, finite, steps = "sft", ("loss", "tmkl"), 1 << 30
 
     def __init__(self, stepper, micro, lr=1e-4):
@@ -94,8 +95,8 @@ def time_stepper(model, stepper, params, micro, reps=2, lr=1e-4):
 TARGETS = {"q,v": ("attn_q", "attn_v"), "all seven": ALL}
 
 
-def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=tuple(TARGETS), steps=0,
-              lr=1e-4, modules=TARGETS, activations="fp32"):
+def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=tuple(TARGETS),
+              steps=0, lr=1e-4, modules=TARGETS, activations="fp32"):
     T = min(T, model.cfg.context_length)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
@@ -106,7 +107,8 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
         dev.peak_bytes = dev.allocated_bytes            # each case reports its own peak
         st, params = sft_stepper(model, mods, checkpoint=checkpoint, activations=activations)
         case = (f"sft {B}x{T}, adapters on {name} (trainer step" + ("" if checkpoint == "none" else
-                f", checkpoint {checkpoint}") + ("" if activations == "fp32" else f", activations {activations}") + ")")
+                                                                    f", checkpoint {checkpoint}")
+                + ("" if activations == "fp32" else f", activations {activations}") + ")")
         args = (ids.astype(np.int32), *_select_args(labels))
         planned = st.fn.plan(*args)         # traced and scheduled, nothing allocated
         if plan_only:
@@ -115,10 +117,10 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
             _free(model, st.fn, st.fn_packed)
             continue
         against = {} if activations == "fp32" else fp32_gradients_vs(model, params, st, args)
-        dev.peak_bytes = dev.allocated_bytes            # the comparison's fp32 program is not this case's
+        dev.peak_bytes = dev.allocated_bytes  # the comparison's fp32 program is not this case's
         try:
-            t, recs = time_stepper(model, st, params, [(ids, labels)], reps=steps or (2 if B * T <= 2048 else 1),
-                                   lr=lr)
+            t, recs = time_stepper(model, st, params, [(ids, labels)],
+                                   reps=steps or (2 if B * T <= 2048 else 1), lr=lr)
         except DeviceMemoryError as e:             # said as a row: the other cases still run
             rows.append({"case": case, "error": f"does not fit: {e}"})
             _free(model, st.fn, st.fn_packed)
@@ -126,21 +128,24 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
         prog = st.fn.program(*args)
         prog_bytes = prog.device_bytes
         plan_bytes = planned["total"] - planned["staging"]
-        rows.append({"case": case, "trainable": sum(p.size for p in params), "step_s": t, "tokens_per_s": B * T / t,
-                     "loss_first": recs[0]["loss"], "loss_last": recs[-1]["loss"],
-                     "losses": " ".join(f"{r['loss']:.4f}" for r in recs), "program_bytes": prog_bytes,
-                     "plan_bytes": plan_bytes, "plan_vs_program": plan_bytes / prog_bytes,
+        rows.append({"case": case, "trainable": sum(p.size for p in params), "step_s": t,
+                     "tokens_per_s": B * T / t, "loss_first": recs[0]["loss"],
+                     "loss_last": recs[-1]["loss"],
+                     "losses": " ".join(f"{r['loss']:.4f}" for r in recs),
+                     "program_bytes": prog_bytes, "plan_bytes": plan_bytes,
+                     "plan_vs_program": plan_bytes / prog_bytes,
                      "device_peak_bytes": dev.peak_bytes, **against})
         prog.release()
         del prog
         _free(model, st.fn, st.fn_packed)
-    if plan_only or w is None:          # long rows: the numpy forward's (T, T) scores would dominate
+    if plan_only or w is None:  # long rows: the numpy forward's (T, T) scores would dominate
         return rows
     t0 = time.perf_counter()
     for b in range(B):
         numpy_forward(w, model.cfg, ids[b])
     npt = time.perf_counter() - t0
-    rows.append({"case": f"numpy fp32 forward only, {B}x{T}", "step_s": npt, "tokens_per_s": B * T / npt})
+    rows.append({"case": f"numpy fp32 forward only, {B}x{T}", "step_s": npt,
+                 "tokens_per_s": B * T / npt})
     return rows
 
 
@@ -161,9 +166,11 @@ def fp32_gradients_vs(model, params, st, args) -> dict:
             fn.programs.clear()
             gc.collect()
     a, b = outs["fp32"][2:], outs["kept"][2:]
-    dist = lambda x, y: float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30))      # noqa: E731
+    def dist(x, y):
+        return float(np.linalg.norm(x - y) / max(np.linalg.norm(x), 1e-30))
     return {"loss_fp32_activations": float(outs["fp32"][0]), "loss_this": float(outs["kept"][0]),
-            "grad_rel_l2_vs_fp32": dist(np.concatenate([g.ravel() for g in a]), np.concatenate([g.ravel() for g in b])),
+            "grad_rel_l2_vs_fp32": dist(np.concatenate([g.ravel() for g in a]),
+                                        np.concatenate([g.ravel() for g in b])),
             "grad_worst_tensor_vs_fp32": max(dist(x, y) for x, y in zip(a, b))}
 
 
@@ -194,9 +201,9 @@ def bench_default_job(path=None, steps=3):
         times.append(time.perf_counter() - t)
         tokens.append(rec["computed"])
     k = int(np.argmin(times[1:])) + 1
-    return [{"case": f"default job: one step ({r.cfg.batch_size} rows, TMKL {r.cfg.tmkl}, layers {r.cfg.layers}, "
-                     f"best of steps 2-{steps})", "step_s": times[k], "tokens_per_s": tokens[k] / times[k],
-             "first_step_s": times[0]}]
+    return [{"case": f"default job: one step ({r.cfg.batch_size} rows, TMKL {r.cfg.tmkl}, layers "
+                     f"{r.cfg.layers}, best of steps 2-{steps})", "step_s": times[k],
+             "tokens_per_s": tokens[k] / times[k], "first_step_s": times[0]}]
 
 
 def quick_sft(B=1, T=64, path=None) -> dict:
@@ -235,8 +242,8 @@ def dpo_objective(model, P=4, T_prompt=32, T_resp=64):
         return Example(ids, [-100] * (T_prompt - 1) + ids[T_prompt:] + [-100], "", "")
     pairs = [dpo.Pair(ex(), ex(), "bench") for _ in range(P)]
     zero = np.zeros(P)
-    obj = dpo.DpoObjective(model, params, cfg, 0, pairs, zero, zero, FrozenPrefix(model, 0, 0), Single(),
-                           lambda s: None, lambda *a, **k: None, "base")
+    obj = dpo.DpoObjective(model, params, cfg, 0, pairs, zero, zero, FrozenPrefix(model, 0, 0),
+                           Single(), lambda s: None, lambda *a, **k: None, "base")
     return obj, params, HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
 
 
@@ -244,7 +251,8 @@ def bench_dpo(model, P=4, T_prompt=32, T_resp=64):
     obj, params, opt = dpo_objective(model, P, T_prompt, T_resp)
     t = _time(lambda: loop.one_step(obj, params, opt, 0))
     tokens = 2 * P * (T_prompt + T_resp)
-    return [{"case": f"dpo {P} pairs x {T_resp} response tokens (+{T_prompt} prompt), adapters on q,v (trainer step)",
+    return [{"case": f"dpo {P} pairs x {T_resp} response tokens (+{T_prompt} prompt), adapters on "
+                     f"q,v (trainer step)",
              "step_s": t, "pairs_per_s": P / t, "tokens_per_s": tokens / t,
              "reference": "precomputed once (adapter off), cached"}]
 
@@ -267,23 +275,27 @@ def parse_targets(targets: str) -> tuple[str, ...]:
 
 def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False, shape="4x256",
                 targets="qv,all", steps=0, lr=1e-4, activations="fp32"):
-    """The rows of `vkdsl bench train`; plan_only: each SFT case's planned device bytes (weights, the
-    step program's inputs, outputs, temporaries after reuse, staging), nothing run or allocated."""
-    TrainConfig(checkpoint=checkpoint, activations=activations).validate()   # a bad value: one line, no work
+    """The rows of `vkdsl bench train`; plan_only: each SFT case's planned device bytes (weights,
+    the step program's inputs, outputs, temporaries after reuse, staging), nothing run or
+    allocated."""
+    # a bad value: one line, no work
+    TrainConfig(checkpoint=checkpoint, activations=activations).validate()
     (B, T), picked = parse_shape(shape), parse_targets(targets)
     ck, tok = load_model_files(path or default_model_path())
     model = build_model(ck)
-    hybrid = model.cfg.arch == "qwen35"         # no Llama numpy forward beside it; "all": every projection
+    hybrid = model.cfg.arch == "qwen35"  # no Llama numpy forward beside it; "all": every projection
     modules = {**TARGETS, "all seven": ("all-linear",)} if hybrid else TARGETS
     if objective == "dpo":
         return bench_dpo(model)
     if plan_only:
-        return bench_sft(model, None, B, T, checkpoint, plan_only=True, targets=picked, modules=modules,
-                         activations=activations)
-    w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()} if T <= 512 and not hybrid else None
-    rows = bench_sft(model, w, B, T, checkpoint, targets=picked, steps=steps, lr=lr, modules=modules,
-                     activations=activations)
-    if path or checkpoint != "none" or activations != "fp32" or (B, T) != (4, 256) or picked != tuple(TARGETS) or steps:
+        return bench_sft(model, None, B, T, checkpoint, plan_only=True, targets=picked,
+                         modules=modules, activations=activations)
+    w = ({k: v.astype(np.float32) for k, v in ck.dequantized().items()} if T <= 512 and not hybrid
+         else None)
+    rows = bench_sft(model, w, B, T, checkpoint, targets=picked, steps=steps, lr=lr,
+                     modules=modules, activations=activations)
+    if (path or checkpoint != "none" or activations != "fp32" or (B, T) != (4, 256)
+        or picked != tuple(TARGETS) or steps):
         return rows                     # the default job: its own model, settings and shapes
     del model
     gc.collect()

@@ -6,6 +6,7 @@ end-of-turn token so the model learns to stop. Preservation files hold plain tex
 passage a line (or JSONL {"text": ...})."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,11 @@ def _segments(obj, tok, use_template, where):
         for i, m in enumerate(msgs):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
                     or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: messages[{i}] needs a role (system/user/assistant) and string content")
+                raise DataError(f"{where}: messages[{i}] needs a role (system/user/assistant) and "
+                                f"string content")
             if m["role"] == "assistant" and not m["content"].strip():
-                raise DataError(f"{where}: messages[{i}] is an assistant turn with empty content (nothing to learn)")
+                raise DataError(f"{where}: messages[{i}] is an assistant turn with empty content "
+                                f"(nothing to learn)")
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant message, so nothing to learn")
         _check_turn_order(msgs, where)
@@ -88,11 +91,11 @@ def _segments(obj, tok, use_template, where):
         prompt, completion = _text(obj, "prompt", where), _text(obj, "completion", where)
         if not use_template:
             if "system" in obj:
-                raise DataError(f"{where}: field 'system' needs a chat template (the model has none, or "
-                                f"chat_template is off)")
+                raise DataError(f"{where}: field 'system' needs a chat template (the model has "
+                                f"none, or chat_template is off)")
             return [(prompt, False), (completion, True)], None
         msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
-        if "system" in obj:                      # a row's own system turn instead of the template's default
+        if "system" in obj:  # a row's own system turn instead of the template's default
             msgs.insert(0, {"role": "system", "content": _text(obj, "system", where)})
     return _template_segments(msgs, tok, where), msgs
 
@@ -105,8 +108,9 @@ def _check_turn_order(msgs, where):
         if m["role"] == "system" and i == 0:
             continue
         if m["role"] != want:
-            raise DataError(f"{where}: messages[{i}] is a {m['role']!r} turn where a {want!r} turn is expected "
-                            f"(order: an optional system turn first, then user and assistant alternating)")
+            raise DataError(f"{where}: messages[{i}] is a {m['role']!r} turn where a {want!r} turn "
+                            f"is expected (order: an optional system turn first, then user and "
+                            f"assistant alternating)")
         want = "assistant" if want == "user" else "user"
 
 
@@ -118,7 +122,8 @@ def _template_segments(msgs, tok, where):
     assistant turn's content is supervised, the template's markup around it (role headers, Qwen3's
     empty think block, the turns before) is prompt. The content's place is found by rendering it
     as a marker; the whole must then equal the real rendering, else the template rewrote it."""
-    marked = [dict(m, content=_MARK.format(k)) if m["role"] == "assistant" else m for k, m in enumerate(msgs)]
+    marked = [dict(m, content=_MARK.format(k)) if m["role"] == "assistant" else m
+              for k, m in enumerate(msgs)]
     text = tok.apply_chat_template(marked, add_generation_prompt=False)
     segs, pos = [], 0
     for k, m in enumerate(msgs):
@@ -127,20 +132,22 @@ def _template_segments(msgs, tok, where):
         mark = _MARK.format(k)
         at = text.find(mark, pos)
         if at < 0 or text.count(mark) != 1:
-            raise DataError(f"{where}: the chat template does not render messages[{k}] (an assistant turn) once, "
-                            f"in order")
+            raise DataError(f"{where}: the chat template does not render messages[{k}] (an "
+                            f"assistant turn) once, in order")
         segs += [(text[pos:at], False), (m["content"], True)]
         pos = at + len(mark)
     segs.append((text[pos:], False))
     if "".join(t for t, _ in segs) != tok.apply_chat_template(msgs, add_generation_prompt=False):
-        raise DataError(f"{where}: the chat template rewrites an assistant turn's content (e.g. Qwen3 moves "
-                        f"<think>...</think> out of it, or strips it): write the content as it renders")
+        raise DataError(f"{where}: the chat template rewrites an assistant turn's content (e.g. "
+                        f"Qwen3 moves <think>...</think> out of it, or strips it): write the "
+                        f"content as it renders")
     return segs
 
 
 def reply_end(tok, use_template) -> int | None:
     """The token a supervised reply ends with: the template's end of turn, or EOS for plain text."""
-    return tok.end_of_turn_id if use_template and getattr(tok, "chat_template", None) else tok.eos_id
+    return (tok.end_of_turn_id if use_template and getattr(tok, "chat_template", None)
+            else tok.eos_id)
 
 
 def encode_row(obj, tok, use_template, max_len, side, where) -> Example:
@@ -193,18 +200,19 @@ def _truncate(ids, tgt, max_len, side, where):
     first = next(i for i, x in enumerate(tgt) if x != IGNORE)      # last prompt position
     if side == "right":
         if first + 1 >= max_len:
-            raise DataError(f"{where}: the prompt ({first + 1} tokens) leaves no room for the completion "
-                            f"at max_len={max_len}")
+            raise DataError(f"{where}: the prompt ({first + 1} tokens) leaves no room for the "
+                            f"completion at max_len={max_len}")
         return ids[:max_len], tgt[:max_len], True
     drop = len(ids) - max_len
     if drop > first:
-        raise DataError(f"{where}: the completion alone ({len(ids) - first - 1} tokens) does not fit "
-                        f"max_len={max_len} with left truncation")
+        raise DataError(f"{where}: the completion alone ({len(ids) - first - 1} tokens) "
+                        f"does not fit max_len={max_len} with left truncation")
     return ids[drop:], tgt[drop:], True
 
 
 def load_examples(path, tok, use_template, max_len, side) -> list[Example]:
-    return [encode_row(obj, tok, use_template, max_len, side, f"{path}:{n}") for n, obj in read_jsonl(path)]
+    return [encode_row(obj, tok, use_template, max_len, side, f"{path}:{n}")
+            for n, obj in read_jsonl(path)]
 
 
 def load_passages(path, tok, max_len) -> list[Example]:
@@ -228,6 +236,26 @@ def load_passages(path, tok, max_len) -> list[Example]:
     return out
 
 
+def load_run_rows(cfg, tok, say) -> tuple[list, list, list, list]:
+    """A run's training, held-out, preservation and rehearsal rows, with what was truncated said."""
+    enc = (cfg.chat_template, cfg.max_len, cfg.truncation_side)
+    train = load_examples(cfg.train_file, tok, *enc)
+    if cfg.loss_on == "all":          # the negative control: the prompt's tokens are scored too
+        train = [dataclasses.replace(x, labels=x.ids[1:] + [IGNORE]) for x in train]
+    heldout = load_examples(cfg.heldout_file, tok, *enc) if cfg.heldout_file else []
+    passages = (load_passages(cfg.preservation_file, tok, cfg.max_len)
+                if cfg.preservation_file else [])
+    rehearsal = load_passages(cfg.rehearsal_file, tok, cfg.max_len) if cfg.rehearsal_file else []
+    for what, rows in (("train", train), ("held-out", heldout)):
+        n = sum(r.truncated for r in rows)
+        say(f"{what}: {len(rows)} rows, {n} truncated ({cfg.truncation_side} side, "
+            f"max_len {cfg.max_len})")
+    say(f"preservation: {len(passages)} passages")
+    if rehearsal:
+        say(f"rehearsal: {len(rehearsal)} passages of general text, weight "
+            f"{cfg.rehearsal_weight}, {cfg.rehearsal_batch} per step")
+    return train, heldout, passages, rehearsal
+
 def bucket_len(n, bucket, max_len):
     return min(-(-n // bucket) * bucket, max_len)
 
@@ -248,7 +276,8 @@ def check_batches(rows: list[Example]):
     """Preflight: rows with no supervised token (after truncation) are named."""
     bad = [r.where for r in rows if not any(x != IGNORE for x in r.labels)]
     if bad:
-        raise DataError(f"{len(bad)} row(s) have no supervised token after truncation: {', '.join(bad[:10])}")
+        raise DataError(f"{len(bad)} row(s) have no supervised token after truncation: "
+                        f"{', '.join(bad[:10])}")
 
 
 class Sampler:
@@ -307,7 +336,8 @@ class WindowSampler(Sampler):
         self.queue += [bins[j] for j in self.rng.permutation(len(bins)).tolist()]
 
     def utilization(self) -> float:
-        """Real tokens / window tokens of one epoch's packing (what the seed run calls utilization)."""
+        """Real tokens / window tokens of one epoch's packing (what the seed run calls
+        utilization)."""
         lens = [len(e.ids) for e in self.ex]
         probe = WindowSampler(self.ex, 1, 0, self.window)
         probe._refill()

@@ -50,7 +50,8 @@ class MPIGroup:
         try:
             from mpi4py import MPI
         except ImportError as e:
-            raise DistributedError(f"--distributed mpi needs mpi4py ({e}); install it with ./setup.sh --mpi") from None
+            raise DistributedError(f"--distributed mpi needs mpi4py ({e}); install it with "
+                                   f"./setup.sh --mpi") from None
         self.MPI, self.comm = MPI, MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.root = self.rank == 0
@@ -104,7 +105,8 @@ def ring_bytes(nbytes: int, size: int) -> float:
 def sum_over_ranks(g, arrays: list, scalars: list) -> tuple[list, list, dict]:
     """Sum arrays (a step's gradients) and scalars (its loss sums) over the ranks in one all-reduce
     of one flat fp32 buffer -> (arrays, scalars, {allreduce_s, ring_bytes})."""
-    flat = np.concatenate([np.asarray(a, np.float32).ravel() for a in arrays] + [np.asarray(scalars, np.float32)])
+    flat = np.concatenate([np.asarray(a, np.float32).ravel() for a in arrays]
+                          + [np.asarray(scalars, np.float32)])
     t = time.perf_counter()
     flat = g.allreduce_sum(flat)
     info = {"allreduce_s": time.perf_counter() - t, "ring_bytes": ring_bytes(flat.nbytes, g.size)}
@@ -136,8 +138,9 @@ def same_settings(g, settings: str):
     sums = g.allgather(mine)
     bad = [r for r, s in enumerate(sums) if s != sums[0]]
     if bad:
-        raise DistributedError(f"rank(s) {bad} were started with other settings than rank 0 (every rank of one "
-                               f"job needs the same command line, config and VKDSL_PROFILE)")
+        raise DistributedError(f"rank(s) {bad} were started with other settings than rank 0 (every "
+                               f"rank of one job needs the same command line, config and "
+                               f"VKDSL_PROFILE)")
 
 
 def parallel():
@@ -170,7 +173,8 @@ def _abort_on_exception(g):
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
-        sys.stderr.write(f"vkdsl: rank {g.rank} of {g.size} failed ({kind.__name__}: {value}); aborting every rank\n")
+        sys.stderr.write(f"vkdsl: rank {g.rank} of {g.size} failed ({kind.__name__}: {value}); "
+                         f"aborting every rank\n")
         sys.stderr.flush()
         g.comm.Abort(1)
     sys.excepthook = hook

@@ -55,12 +55,14 @@ def load_pairs(path, tok, use_template, max_len, side) -> tuple[list[Pair], int]
             continue
         row = {"prompt": obj["prompt"], "category": obj.get("category", ""),
                **({"system": obj["system"]} if "system" in obj else {})}
-        c = encode_row(dict(row, completion=obj["chosen"]), tok, use_template, max_len, side, where + " (chosen)")
+        c = encode_row(dict(row, completion=obj["chosen"]), tok, use_template, max_len, side,
+                       where + " (chosen)")
         r = encode_row(dict(row, completion=obj["rejected"]), tok, use_template, max_len, side,
                        where + " (rejected)")
         pairs.append(Pair(c, r, where))
     if not pairs:
-        raise DataError(f"{path}: no usable preference pairs ({same} had identical chosen and rejected)")
+        raise DataError(f"{path}: no usable preference pairs ({same} had identical chosen and "
+                        f"rejected)")
     return pairs, same
 
 
@@ -76,26 +78,25 @@ def _logprob_rows(logits, labels):
     return losses.token_logprobs(logits, labels)[0]
 
 
-def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0, checkpoint: int = 0,
-                   activations: str = "fp32"):
-    """Traced: (chosen ids/pos/labels/segments, rejected ..., ref_margin (P,), inv_nc (1,))
-    -> (loss, policy chosen logp (P,), policy rejected logp (P,), *grads).
-    start > 0: the ids are the frozen prefix's outputs (train.prefix). checkpoint: layers per
-    recomputed group in the backward (Llama.forward). activations: storage of what the backward keeps
-    (train.step.build_grad_fn)."""
+def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0,
+                   checkpoint: int = 0, activations: str = "fp32"):
+    """Traced: (chosen ids/pos/labels/segments, rejected ..., ref_margin (P,), inv_nc (1,)) ->
+    (loss, policy chosen logp (P,), policy rejected logp (P,), *grads). start > 0: the ids are the
+    frozen prefix's outputs (train.prefix). checkpoint: layers per recomputed group in the backward
+    (Llama.forward). activations: storage of what the backward keeps (train.step.build_grad_fn)."""
     kept = kept_dtype(activations)
 
     @vkdsl.trace
     def dpo_step(ids_c, pos_c, lab_c, seg_c, ids_r, pos_r, lab_r, seg_r, ref_margin, inv_nc):
-        lpc, = head_rows(model, selected_hidden(model, ids_c, pos_c, True, start, (), checkpoint), _logprob_rows,
-                         lab_c)
-        lpr, = head_rows(model, selected_hidden(model, ids_r, pos_r, True, start, (), checkpoint), _logprob_rows,
-                         lab_r)
+        lpc, = head_rows(model, selected_hidden(model, ids_c, pos_c, True, start, (), checkpoint),
+                         _logprob_rows, lab_c)
+        lpr, = head_rows(model, selected_hidden(model, ids_r, pos_r, True, start, (), checkpoint),
+                         _logprob_rows, lab_r)
         pc = (seg_c @ lpc.reshape(-1, 1)).reshape(-1)          # (P,) sequence log-probs
         pr = (seg_r @ lpr.reshape(-1, 1)).reshape(-1)
         margin = ((pc - pr) - ref_margin) * beta
         loss = losses.softplus(-margin).mean()
-        if nll_weight > 0:                                     # optional NLL on the chosen responses
+        if nll_weight > 0:  # optional NLL on the chosen responses
             loss = loss - pc.sum() * inv_nc[0] * nll_weight
         with saved_activations(kept):
             return [loss, pc, pr] + grad(loss, params)
@@ -103,7 +104,8 @@ def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0
 
 
 def _pack(rows, pad, bucket, max_len, prefix=None):
-    """-> (what the step takes for ids: the ids, or the frozen prefix's output), pos, labels, segments."""
+    """-> (what the step takes for ids: the ids, or the frozen prefix's output), pos, labels,
+    segments."""
     ids, lab = collate(rows, pad, bucket, max_len)
     pos, sl = select(lab, bucket=16)
     feed = ids if prefix is None else prefix.feed(ids, lab)
@@ -118,14 +120,16 @@ def reference_logps(scorer, pairs, adapters_on: bool):
 
 def cache_key(identity: dict, pairs, reference: str, adapter_sum: str) -> str:
     """What the reference log-probs depend on: the run's identity (base, tokenizer, template, quant,
-    precision), the reference, the adapter it stands on, and every response's token ids and masks."""
+    precision), the reference, the adapter it stands on, and every response's token ids and
+    masks."""
     h = hashlib.sha256()
     for p in pairs:
         for ex in (p.chosen, p.rejected):
-            h.update(np.asarray(ex.ids, np.int32).tobytes() + np.asarray(ex.labels, np.int32).tobytes())
+            h.update(np.asarray(ex.ids, np.int32).tobytes()
+                     + np.asarray(ex.labels, np.int32).tobytes())
     keep = ("base_sha256", "tokenizer_sha256", "chat_template_sha256", "quant", "precision")
-    return digest({**{k: identity.get(k) for k in keep}, "reference": reference, "adapter": adapter_sum,
-                   "rows": h.hexdigest()})
+    return digest({**{k: identity.get(k) for k in keep}, "reference": reference,
+                   "adapter": adapter_sum, "rows": h.hexdigest()})
 
 
 def cached_reference(path: Path, key: str, compute, say=lambda s: None, group=None):
@@ -138,7 +142,8 @@ def cached_reference(path: Path, key: str, compute, say=lambda s: None, group=No
         return np.array(hit[0]), np.array(hit[1])
     rc, rr = compute()
     if g.root:
-        checkpoint.atomic_write(path, json.dumps({"key": key, "chosen": rc.tolist(), "rejected": rr.tolist()}).encode())
+        checkpoint.atomic_write(path, json.dumps({"key": key, "chosen": rc.tolist(),
+                                                  "rejected": rr.tolist()}).encode())
     return rc, rr
 
 
@@ -150,16 +155,18 @@ def _read_reference(path: Path, key: str, say):
             obj = {}
         if isinstance(obj, dict) and obj.get("key") == key:
             return obj["chosen"], obj["rejected"]
-        say(f"{path.name}: the cached DPO reference was computed for other inputs (base, tokenizer, template, "
-            f"masks or reference adapter differ, or the file is damaged): recomputed")
+        say(f"{path.name}: the cached DPO reference was computed for other inputs (base, "
+            f"tokenizer, template, masks or reference adapter differ, or the file is damaged): "
+            f"recomputed")
     return None
 
 
 def dpo_evidence(scorer, pairs, rc, rr) -> PairEvidence:
     pc, pr = reference_logps(scorer, pairs, True)
     improvement = (pc - pr) - (rc - rr)
-    return PairEvidence(float(np.mean(pc > pr)), float(np.mean(improvement > 0)), float(improvement.mean()),
-                        float(np.mean(pc - rc)), float(np.mean(pr - rr)), len(pairs))
+    return PairEvidence(float(np.mean(pc > pr)), float(np.mean(improvement > 0)),
+                        float(improvement.mean()), float(np.mean(pc - rc)), float(np.mean(pr - rr)),
+                        len(pairs))
 
 
 def margin_story(ev: PairEvidence) -> str:
@@ -172,11 +179,11 @@ def margin_story(ev: PairEvidence) -> str:
     if total < 0:
         return f"the margin shrank by {-total:.3f} nats ({detail})"
     if up < 0:
-        return (f"the margin grew by {total:.3f} nats only because rejected responses fell further than chosen "
-                f"ones: chosen log-probs also went down ({detail})")
+        return (f"the margin grew by {total:.3f} nats only because rejected responses fell further "
+                f"than chosen ones: chosen log-probs also went down ({detail})")
     if down < 0:
-        return (f"the margin grew by {total:.3f} nats only because chosen responses rose more than rejected "
-                f"ones ({detail})")
+        return (f"the margin grew by {total:.3f} nats only because chosen responses rose more than "
+                f"rejected ones ({detail})")
     share = down / total
     side = "lowering rejected responses" if share >= 0.5 else "raising chosen responses"
     return f"{100 * max(share, 1 - share):.0f}% of the margin came from {side} ({detail})"
@@ -196,16 +203,19 @@ class PairOrder(Sampler):
 class DpoObjective:
     """DPO as the loop's objective (train.loop): the traced preference step over a global batch of
     dpo_batch x P pairs, drawn as one process would draw them; each rank computes dpo_batch of them
-    and one all-reduce sums the gradients (and losses), so the objective is the single-process one."""
+    and one all-reduce sums the gradients (and losses), so the objective is the single-process
+    one."""
     stage, finite = "dpo", ("loss",)
 
-    def __init__(self, model, params, cfg, pad, pairs, rc, rr, prefix, group, say, event, reference):
+    def __init__(self, model, params, cfg, pad, pairs, rc, rr, prefix, group, say, event,
+                 reference):
         self.cfg, self.pad, self.pairs, self.rc, self.rr = cfg, pad, pairs, rc, rr
-        self.prefix, self.g, self.say, self.event, self.reference = prefix, group, say, event, reference
+        self.prefix, self.g, self.reference = prefix, group, reference
+        self.say, self.event = say, event
         self.steps, self.clip = cfg.dpo_steps, cfg.clip
         self.order = PairOrder(len(pairs), cfg.dpo_batch * group.size, cfg.data_seed)
-        self.fn = build_dpo_step(model, params, cfg.dpo_beta, cfg.dpo_nll_weight, prefix.start, cfg.checkpoint_layers,
-                                 cfg.activations)
+        self.fn = build_dpo_step(model, params, cfg.dpo_beta, cfg.dpo_nll_weight, prefix.start,
+                                 cfg.checkpoint_layers, cfg.activations)
         self.history = []
 
     def lr(self, step):
@@ -215,13 +225,17 @@ class DpoObjective:
         g, c, pairs = self.g, self.cfg, self.pairs
         mine = my_share(idx, g)
         batch = [pairs[i] for i in mine]
-        ic, pc_, lc, sc = _pack([p.chosen for p in batch], self.pad, c.bucket, c.max_len, self.prefix)
-        ir, pr_, lr_, sr = _pack([p.rejected for p in batch], self.pad, c.bucket, c.max_len, self.prefix)
+        ic, pc_, lc, sc = _pack([p.chosen for p in batch], self.pad, c.bucket, c.max_len,
+                                self.prefix)
+        ir, pr_, lr_, sr = _pack([p.rejected for p in batch], self.pad, c.bucket, c.max_len,
+                                 self.prefix)
         ref = (self.rc[mine] - self.rr[mine]).astype(np.float32)
         # the NLL term's normalizer counts the whole global batch's chosen tokens; the traced mean
-        # is over this rank's pairs, so every term is scaled by P here and divided by P after the sum
+        # is over this rank's pairs, so every term is scaled by P here and divided by P after the
+        # sum
         n_c = max(sum(int(np.sum(np.asarray(pairs[i].chosen.labels) != IGNORE)) for i in idx), 1)
-        self.last_args = (ic, pc_, lc, sc, ir, pr_, lr_, sr, ref, np.array([g.size / n_c], np.float32))
+        self.last_args = (ic, pc_, lc, sc, ir, pr_, lr_, sr, ref,
+                          np.array([g.size / n_c], np.float32))
         out = self.fn(*self.last_args)
         loss, grads, extra = float(out[0]), [np.asarray(x, np.float32) for x in out[3:]], {}
         nll = -float(np.sum(np.asarray(out[1], np.float64))) * g.size / n_c * c.dpo_nll_weight
@@ -231,19 +245,21 @@ class DpoObjective:
         return grads, {"loss": loss, "nll": nll, **extra}
 
     def record(self, step, rec):
-        if step == 1 and self.reference != "none":     # the preference term alone: the loss less the NLL
+        # the preference term alone: the loss less the NLL
+        if step == 1 and self.reference != "none":
             pref = rec["loss"] - rec["nll"]
-            self.say(f"DPO step 1 preference loss {pref:.6f}; policy == reference gives ln 2 = {LN2:.6f} "
-                     f"(difference {pref - LN2:+.2e})" + (f"; NLL on chosen {rec['nll']:.4f}" if rec["nll"] else ""))
+            self.say(f"DPO step 1 preference loss {pref:.6f}; policy == reference gives ln 2 = "
+                     f"{LN2:.6f} (difference {pref - LN2:+.2e})"
+                     + (f"; NLL on chosen {rec['nll']:.4f}" if rec["nll"] else ""))
         rec = {"step": step, "stage": "dpo", "dpo_loss": rec.pop("loss"), **rec}
         self.history.append(rec)
         self.event("dpo_step", **rec)
-        self.say(f"dpo step {step}/{self.steps} loss {rec['dpo_loss']:.4f} |g| {rec['grad_norm']:.3g}  "
-                 f"{rec['time']:.1f}s")
+        self.say(f"dpo step {step}/{self.steps} loss {rec['dpo_loss']:.4f} |g| "
+                 f"{rec['grad_norm']:.3g}  {rec['time']:.1f}s")
 
 
-def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event, reference: str, identity: dict,
-              prefix=None, group=None, stage=None):
+def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event, reference: str,
+              identity: dict, prefix=None, group=None, stage=None):
     """reference: 'base' (adapter off), 'sft' (the adapter as it stands now, frozen), 'none'.
     cfg: a TrainConfig (dpo_*, bucket, max_len, eval_batch, clip, betas, eps, weight_decay,
     data_seed, min_lr_ratio). prefix: train.prefix.FrozenPrefix. Reference log-probs and evidence
@@ -259,12 +275,14 @@ def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event
         hc = hr = np.zeros(len(heldout))
     else:
         on = reference == "sft"
-        adapter_sum = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest() if on else "off"
+        adapter_sum = (hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()
+                       if on else "off")
         key = cache_key(identity, pairs + heldout, reference, adapter_sum)
         t0 = time.perf_counter()
         both = cached_reference(run_dir / "dpo_reference.json", key,
                                 lambda: reference_logps(scorer, pairs + heldout, on), say, g)
-        say(f"DPO reference log-probs of {len(pairs) + len(heldout)} pairs in {time.perf_counter() - t0:.1f}s")
+        say(f"DPO reference log-probs of {len(pairs) + len(heldout)} pairs in "
+            f"{time.perf_counter() - t0:.1f}s")
         rc, rr = both[0][:len(pairs)], both[1][:len(pairs)]
         hc, hr = both[0][len(pairs):], both[1][len(pairs):]
     obj = DpoObjective(model, params, cfg, pad, pairs, rc, rr, prefix, g, say, event, reference)

@@ -48,7 +48,8 @@ class Scores:
     n: int
     label_lp: np.ndarray         # (n, labels): each label's log-prob as the row's completion
     truth: list                  # each labelled row's label index
-    format: list                 # per row: its greedy output is one label + end-of-turn ([]: not measured)
+    # per row: its greedy output is one label + end-of-turn ([]: not measured)
+    format: list
     pres: float                  # preservation loss, nats/token (0 without passages)
 
     @property
@@ -105,10 +106,10 @@ class Evidence:
     @classmethod
     def of(cls, sc: Scores, sf: Surfaces | None = None, **more) -> "Evidence":
         """The held-out side of a scoring pass (and its surfaces) as evidence."""
-        return cls(heldout_loss=sc.heldout_loss, heldout_acc=sc.acc, heldout_correct=sc.correct, heldout_n=sc.n,
-                   heldout_acc_ci=list(wilson(sc.correct, sc.n)) if sc.n else None,
-                   heldout_target_prob=target_prob(sc.label_lp, sc.truth), preservation_loss=sc.pres,
-                   **(dataclasses.asdict(sf) if sf else {}), **more)
+        return cls(heldout_loss=sc.heldout_loss, heldout_acc=sc.acc, heldout_correct=sc.correct,
+                   heldout_n=sc.n, heldout_acc_ci=list(wilson(sc.correct, sc.n)) if sc.n else None,
+                   heldout_target_prob=target_prob(sc.label_lp, sc.truth),
+                   preservation_loss=sc.pres, **(dataclasses.asdict(sf) if sf else {}), **more)
 
     def json(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,7 +135,8 @@ class DpoEvidence:
     train: PairEvidence | None = None           # only without held-out pairs
     heldout: PairEvidence | None = None
     after: Evidence | None = None               # every held-out surface again, after DPO
-    sft_acc: float | None = None                # held-out accuracy after SFT, for the task-cost gate
+    # held-out accuracy after SFT, for the task-cost gate
+    sft_acc: float | None = None
     preservation_delta: float | None = None
 
     def json(self) -> dict:
@@ -214,7 +216,8 @@ def slices(rows, scored, idx, lp, truth) -> dict:
         acc[c][1] += 1
     out = {c: {"loss": v, "accuracy": acc[c][0] / acc[c][1] if acc[c][1] else None, "n": acc[c][1]}
            for c, v in loss.items()}
-    ranked = sorted(out, key=lambda c: ((out[c]["accuracy"] if out[c]["accuracy"] is not None else 2.0), -out[c]["loss"]))
+    ranked = sorted(out, key=lambda c: ((out[c]["accuracy"] if out[c]["accuracy"] is not None
+                                         else 2.0), -out[c]["loss"]))
     return {"categories": out, "worst": ranked[0] if ranked else None}
 
 
@@ -231,9 +234,10 @@ def checksum(params) -> str:
 
 
 def spectrum(model, names, top=4):
-    """Per module: singular values of the learned update s*A*B (in, out) and its stable rank.
-    A B has rank <= r: with A = Qa Ra and B^T = Qb Rb (thin QR), A B = Qa (Ra Rb^T) Qb^T, so its
-    singular values are those of the r x r matrix Ra Rb^T (exact, without the dense in x out SVD)."""
+    """Per module: singular values of the learned update s*A*B (in, out) and its stable rank. A B
+    has rank <= r: with A = Qa Ra and B^T = Qb Rb (thin QR), A B = Qa (Ra Rb^T) Qb^T, so its
+    singular values are those of the r x r matrix Ra Rb^T (exact, without the dense in x out
+    SVD)."""
     out = {}
     for n in names:
         lo = model.lora[n]
@@ -243,7 +247,8 @@ def spectrum(model, names, top=4):
         # past rank r a dense SVD lists zeros: keep them, so top > r reads the same
         sv = np.concatenate([sv, np.zeros(max(0, min(top, A.shape[0], B.shape[1]) - len(sv)))])
         sr = float((sv ** 2).sum() / sv[0] ** 2) if sv[0] > 0 else 0.0
-        out[n] = {"sv": [float(x) for x in sv[:top]], "stable_rank": sr, "fro": float(np.sqrt((sv ** 2).sum()))}
+        out[n] = {"sv": [float(x) for x in sv[:top]], "stable_rank": sr,
+                  "fro": float(np.sqrt((sv ** 2).sum()))}
     return out
 
 
@@ -257,7 +262,8 @@ def merged_check(model, ckpt, name, ids: np.ndarray, prefix=None):
     W = ckpt[name + ".weight"].dequantize().astype(np.float64)                 # (out, in)
     merged = W + lo.scale * (lo.A.numpy().astype(np.float64) @ lo.B.numpy().astype(np.float64)).T
     start = prefix.start if prefix is not None else 0
-    feed = prefix.feed(ids, np.zeros_like(ids)) if start else ids.astype(np.int32)   # every position scored
+    # every position scored
+    feed = prefix.feed(ids, np.zeros_like(ids)) if start else ids.astype(np.int32)
     x = vkdsl.tensor(feed)
     sep = model.forward(x, start=start).numpy()
     orig = model.linear[name]
@@ -273,23 +279,27 @@ def surface_gates(ev: Evidence, cfg, base_acc, stage="") -> list[Gate]:
     """The gates of the held-out surfaces (task, calibration, format, worst slice) of one stage."""
     g = []
     if ev.heldout_acc is not None:
-        # better than the base beyond sampling noise: the Wilson 95% lower bound clears the base's accuracy
+        # better than the base beyond sampling noise: the Wilson 95% lower bound clears the base's
+        # accuracy
         lo = ev.heldout_acc_ci[0]
         ok = ev.heldout_acc > cfg.gate_heldout_acc and (base_acc is None or lo > base_acc)
-        g.append(Gate(stage + "held-out accuracy", ok, f"{ev.heldout_acc:.3f} > {cfg.gate_heldout_acc}"
-                      + ("" if base_acc is None else f", Wilson 95% lower bound {lo:.3f} > base {base_acc:.3f}")))
+        g.append(Gate(stage + "held-out accuracy", ok,
+                      f"{ev.heldout_acc:.3f} > {cfg.gate_heldout_acc}"
+                      + ("" if base_acc is None
+                         else f", Wilson 95% lower bound {lo:.3f} > base {base_acc:.3f}")))
     if ev.calibration:
         g.append(Gate(stage + "calibration", ev.calibration["ece"] <= cfg.gate_calibration,
                       f"ECE {ev.calibration['ece']:.3f} <= {cfg.gate_calibration}"))
     if ev.format_valid is not None:
         g.append(Gate(stage + "format", ev.format_valid >= cfg.gate_format,
-                      f"{ev.format_valid:.3f} of {ev.format_n} greedy outputs are one label + end-of-turn "
-                      f">= {cfg.gate_format}"))
+                      f"{ev.format_valid:.3f} of {ev.format_n} greedy outputs are one label + "
+                      f"end-of-turn >= {cfg.gate_format}"))
     sl = ev.slices
     if sl and sl["worst"] is not None and sl["categories"][sl["worst"]]["accuracy"] is not None:
         w = sl["categories"][sl["worst"]]
         g.append(Gate(stage + "worst slice", w["accuracy"] >= cfg.gate_slice,
-                      f"{sl['worst']}: accuracy {w['accuracy']:.3f} over {w['n']} rows >= {cfg.gate_slice}"))
+                      f"{sl['worst']}: accuracy {w['accuracy']:.3f} over {w['n']} rows >= "
+                      f"{cfg.gate_slice}"))
     return g
 
 
@@ -307,7 +317,8 @@ def gates(ev: Evidence, first_loss, cfg) -> list[Gate]:
     fp = ev.stability_fp32
     if fp and fp["agreement"] is not None:
         g.append(Gate("stability (fp32 base)", fp["agreement"] >= cfg.gate_stability,
-                      f"{fp['agreement']:.3f} of {fp['rows']} decisions unchanged >= {cfg.gate_stability}"))
+                      f"{fp['agreement']:.3f} of {fp['rows']} decisions unchanged >= "
+                      f"{cfg.gate_stability}"))
     return g
 
 
@@ -325,7 +336,8 @@ def dpo_gates(ev: DpoEvidence, cfg, base_acc=None) -> list[Gate]:
     held = ev.heldout
     if held:
         g.append(Gate("DPO held-out pairs", held.pair_accuracy > cfg.gate_dpo_pair_acc,
-                      f"pair accuracy {held.pair_accuracy:.3f} > {cfg.gate_dpo_pair_acc} over {held.pairs} pairs"))
+                      f"pair accuracy {held.pair_accuracy:.3f} > {cfg.gate_dpo_pair_acc} over "
+                      f"{held.pairs} pairs"))
     if ev.preservation_delta is not None:
         g.append(Gate("preservation after DPO", ev.preservation_delta <= cfg.gate_preservation,
                       f"{ev.preservation_delta:+.4f} <= {cfg.gate_preservation} nats/token"))
@@ -337,54 +349,7 @@ def dpo_gates(ev: DpoEvidence, cfg, base_acc=None) -> list[Gate]:
 
 
 def task_cost_gate(before, after, cfg) -> Gate:
-    """DPO must not cost the task: held-out accuracy after DPO within gate_dpo_task_drop of SFT's."""
+    """DPO must not cost the task: accuracy after DPO within gate_dpo_task_drop of SFT's."""
     return Gate("DPO did not cost the task", after >= before - cfg.gate_dpo_task_drop,
-                f"held-out accuracy {before:.3f} after SFT -> {after:.3f} after DPO, >= {before:.3f} - "
-                f"{cfg.gate_dpo_task_drop}")
-
-
-def table(ev: Evidence) -> str:
-    L = [f"evidence at step {ev.step}:",
-         "  train loss (last step)       " + ("-" if ev.train_loss is None else f"{ev.train_loss:.4f}"),
-         f"  held-out loss                {ev.heldout_loss:.4f}  (base {ev.heldout_loss_base:.4f})"]
-    if ev.heldout_acc is not None:
-        lo, hi = ev.heldout_acc_ci
-        L.append(f"  held-out accuracy            {ev.heldout_acc:.3f}  Wilson 95% [{lo:.3f}, {hi:.3f}]  "
-                 f"({ev.heldout_correct}/{ev.heldout_n}; base {ev.heldout_acc_base:.3f})")
-    L.append(f"  preservation delta           {ev.preservation_delta:+.4f} nats/token vs base "
-             f"({ev.preservation_loss:.4f} vs {ev.preservation_loss_base:.4f})")
-    cal = ev.calibration
-    if cal:
-        L.append(f"  calibration (ECE, 10 bins)   {cal['ece']:.3f} over {cal['n']} rows; bins (n: accuracy/confidence) "
-                 + " ".join(f"{b['n']}:{b['accuracy']:.2f}/{b['confidence']:.2f}" for b in cal["bins"] if b["n"]))
-    if ev.format_valid is not None:
-        L.append(f"  format (greedy = one label + end-of-turn) {ev.format_valid:.3f} of {ev.format_n} prompts")
-        for f in ev.format_failures:
-            L.append(f"    e.g. {f['row']}: expected {f['expected']!r}, generated {f['generated']!r}")
-    sl = ev.slices
-    if sl:
-        for c, v in sl["categories"].items():
-            acc = "" if v["accuracy"] is None else f"  accuracy {v['accuracy']:.3f} ({v['n']} rows)"
-            L.append(f"  held-out [{c}]{' ' * max(1, 18 - len(c))}loss {v['loss']:.4f}{acc}"
-                     + ("  <- worst slice" if c == sl["worst"] else ""))
-    else:
-        for c, v in ev.category_loss.items():
-            L.append(f"  held-out loss [{c}]{' ' * max(1, 13 - len(c))}{v:.4f}")
-    st = ev.stability_checkpoint
-    if st and st["agreement"] is not None:
-        L.append(f"  stability: decisions agree with {'the base' if st['step'] == 'base' else 'step ' + str(st['step'])}"
-                 f" on {st['agreement']:.3f} of rows")
-    fp = ev.stability_fp32
-    if fp and fp["agreement"] is not None:
-        L.append(f"  stability: packed base vs fp32-dequantized base, same adapter: {fp['agreement']:.3f} of "
-                 f"{fp['rows']} decisions agree")
-    L.append(f"  adapter checksum             {ev.checksum} ({'changed' if ev.checksum_changed else 'UNCHANGED'} since init)")
-    if ev.merge_max_diff is not None:
-        L.append(f"  merged vs separate           max diff {ev.merge_max_diff:.2e}, argmax agreement "
-                 f"{ev.merge_argmax:.3f} ({ev.merge_module})")
-    for n, s in list(ev.spectrum.items())[:4]:
-        L.append(f"  {n:<20} sv {', '.join(f'{x:.3g}' for x in s['sv'])}  stable rank {s['stable_rank']:.2f}")
-    if len(ev.spectrum) > 4:
-        srs = [s["stable_rank"] for s in ev.spectrum.values()]
-        L.append(f"  ({len(srs)} modules: stable rank min {min(srs):.2f} / mean {np.mean(srs):.2f} / max {max(srs):.2f})")
-    return "\n".join(L)
+                f"held-out accuracy {before:.3f} after SFT -> {after:.3f} after DPO, >= "
+                f"{before:.3f} - {cfg.gate_dpo_task_drop}")

@@ -18,16 +18,18 @@ from .scoring import Scorer
 
 class Heldout:
     def __init__(self, cfg, model, ckpt, tok, pad, scorer, heldout, passages):
-        self.cfg, self.model, self.ckpt, self.tok, self.pad, self.scorer = cfg, model, ckpt, tok, pad, scorer
+        self.cfg, self.model, self.ckpt, self.tok = cfg, model, ckpt, tok
+        self.pad, self.scorer = pad, scorer
         self.heldout, self.passages = heldout, passages
         self.labels = list(cfg.labels) if cfg.label_eval else []
         if self.labels:             # every held-out row is a label decision: none drops out unseen
             for ex in heldout:
                 if ex.completion.strip() not in self.labels:
-                    raise DataError(f"{ex.where}: completion {ex.completion.strip()!r} is not one of the labels "
-                                    f"({', '.join(self.labels)}): every held-out row is scored as a label decision; "
-                                    f"fix the row, add the label (--labels), or turn label evaluation off "
-                                    f"(--no-label-eval: held-out loss only)")
+                    raise DataError(f"{ex.where}: completion {ex.completion.strip()!r} is not one "
+                                    f"of the labels ({', '.join(self.labels)}): every held-out row "
+                                    f"is scored as a label decision; fix the row, add the label "
+                                    f"(--labels), or turn label evaluation off (--no-label-eval: "
+                                    f"held-out loss only)")
         # one candidate row per (row, label); the single-token plan where every label is one token
         self.cands, self.extra = self._candidates(heldout)
 
@@ -57,8 +59,8 @@ class Heldout:
 
     def label_matrix(self, rows, adapters_on=True, plan=None, scorer=None):
         """The one label-matrix builder: (n, L) log-probs of each label as the completion of each
-        row, and the scoring pass's RowScores. One pass over the rows (the label tokens' log-probs at
-        the answer position) when the labels are single tokens, else one over the candidate rows.
+        row, and the scoring pass's RowScores. One pass over the rows (the label tokens' log-probs
+        at the answer position) when the labels are single tokens, else one over the candidate rows.
         plan: _candidates(rows) when known. The label probabilities within the label set are a
         softmax of a row (two-way for two labels): not the model's probability of emitting it."""
         cands, extra = plan or self._candidates(rows)
@@ -101,28 +103,33 @@ class Heldout:
             if not with_format:
                 fmt = []
             elif pending:
-                for (j, _), flag in zip(pending, self.scorer.scores([c for _, c in pending], adapters_on).greedy):
+                for (j, _), flag in zip(
+                    pending, self.scorer.scores([c for _, c in pending], adapters_on).greedy):
                     fmt[j] = flag
         else:
             M, sc = self.label_matrix(rows, adapters_on, (self.cands, None))
-            held = [sc.sums[j * L + t] for j, t in enumerate(truth)]     # the true label's candidate is the row
-            # greedy reproduces a candidate (label + end-of-turn) iff every one of its tokens is greedy
+            # the true label's candidate is the row
+            held = [sc.sums[j * L + t] for j, t in enumerate(truth)]
+            # greedy reproduces a candidate (label + end-of-turn) iff every one of its tokens is
+            # greedy
             fmt = [any(sc.greedy[j * L:(j + 1) * L]) for j in range(len(rows))]
         k = int(sum(int(np.argmax(M[j])) == t for j, t in enumerate(truth)))
         pres = self.scorer.row_logprobs(self.passages, adapters_on) if self.passages else []
-        return Scores(held, evidence.mean_loss(held) if held else float("nan"), k, len(truth), M, truth, fmt,
-                      evidence.mean_loss(pres) if pres else 0.0)
+        return Scores(held, evidence.mean_loss(held) if held else float("nan"), k, len(truth), M,
+                      truth, fmt, evidence.mean_loss(pres) if pres else 0.0)
 
     def surfaces(self, sc: Scores, adapters_on) -> Surfaces:
-        """Calibration, format (with up to format_examples failures generated verbatim), slices and the
-        label decisions of one scoring pass."""
+        """Calibration, format (with up to format_examples failures generated verbatim), slices and
+        the label decisions of one scoring pass."""
         M, truth, fmt = sc.label_lp, sc.truth, sc.format
         slices = evidence.slices(self.heldout, sc.held, range(len(truth)), M, truth)
-        out = Surfaces(evidence.calibration(M, truth), slices, [int(x) for x in M.argmax(1)] if len(truth) else [])
+        out = Surfaces(evidence.calibration(M, truth), slices,
+                       [int(x) for x in M.argmax(1)] if len(truth) else [])
         if fmt:
             out.format_valid, out.format_n = float(np.mean(fmt)), len(fmt)
             shown = [j for j, f in enumerate(fmt) if not f][:self.cfg.format_examples]
-            out.format_failures = self._group().from_root(self._generate_failures, shown, adapters_on)
+            out.format_failures = self._group().from_root(
+                self._generate_failures, shown, adapters_on)
         return out
 
     def _group(self):
@@ -151,15 +158,18 @@ class Heldout:
             out = []
             for ex, prompt in prompts:
                 new, _ = gen.generate(prompt, max(1, min(N, ctx - len(prompt))),
-                                      stop={self.tok.eos_id, reply_end(self.tok, self.cfg.chat_template)})
-                out.append({"row": ex.where, "expected": ex.completion.strip(), "generated": self.tok.decode(new)})
+                                      stop={self.tok.eos_id,
+                                            reply_end(self.tok, self.cfg.chat_template)})
+                out.append({"row": ex.where, "expected": ex.completion.strip(),
+                            "generated": self.tok.decode(new)})
         finally:
             self.model.lora = saved
         return out
 
     def fp32_decisions(self, n_rows):
         """Label decisions on the first n_rows labelled held-out rows with the same adapters on the
-        base dequantized to fp32 (the packed-quantized kernels' stability), beside the packed ones."""
+        base dequantized to fp32 (the packed-quantized kernels' stability), beside the packed
+        ones."""
         return self._group().from_root(self._fp32_decisions, n_rows)
 
     def _fp32_decisions(self, n_rows):

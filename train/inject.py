@@ -55,11 +55,13 @@ def match_modules(names, patterns, layers) -> list[str]:
             try:
                 rx = re.compile(mod)
             except re.error as e:
-                raise InjectError(f"target pattern {p!r} is not a module name or a valid regex: {e}") from None
+                raise InjectError(f"target pattern {p!r} is not a module name or a valid "
+                                  f"regex: {e}") from None
             hit = [n for n in keep if rx.fullmatch(n)]
         if not hit:
-            raise InjectError(f"target pattern {p!r} matched no module in layers {layers[0]}..{layers[-1]}; "
-                              f"available: {', '.join(sorted({n.split('.')[2] for n in names}, key=MODULES.index))} "
+            kinds = sorted({n.split(".")[2] for n in names}, key=MODULES.index)
+            raise InjectError(f"target pattern {p!r} matched no module in layers "
+                              f"{layers[0]}..{layers[-1]}; available: {', '.join(kinds)} "
                               f"(HF: {', '.join(HF_ALIASES)}), "
                               f"or full names like {keep[0] if keep else names[0]}")
         chosen += [n for n in hit if n not in chosen]
@@ -72,8 +74,8 @@ def inject(model, cfg) -> list[str]:
     names = match_modules(list(model.linear), cfg.targets, layers)
     for k, n in enumerate(names):
         out_dim, in_dim = model.linear[n].shape
-        model.lora[n] = LoRA.init(in_dim, out_dim, cfg.rank, cfg.alpha, cfg.rslora, seed=cfg.seed * 100003 + k,
-                                  name=n)
+        model.lora[n] = LoRA.init(in_dim, out_dim, cfg.rank, cfg.alpha, cfg.rslora,
+                                  seed=cfg.seed * 100003 + k, name=n)
     return names
 
 
@@ -86,6 +88,8 @@ def count_report(model, names) -> tuple[int, int, str]:
     base = sum(w.shape[0] * w.shape[1] for w in model.linear.values())
     c = model.cfg
     base += c.vocab_size * c.dim + sum(t.size for t in model.vector.values())
-    lines = [f"LoRA on {len(names)} modules: {', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
-             f"trainable parameters: {train:,} of {base + train:,} ({100 * train / (base + train):.4f}%)"]
+    lines = [f"LoRA on {len(names)} modules: "
+             f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}",
+             f"trainable parameters: {train:,} of {base + train:,} "
+             f"({100 * train / (base + train):.4f}%)"]
     return train, base, "\n".join(lines)

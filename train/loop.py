@@ -36,14 +36,16 @@ def one_step(obj, params, opt, step, kept=lambda: "none") -> dict:
     gs, rec = obj.gradient(idx, step + 1)
     bad = [k for k in obj.finite if not math.isfinite(rec[k])]
     if bad:
-        raise TrainingStopped(f"{obj.stage} step {step + 1}: non-finite {', '.join(f'{k} ({rec[k]})' for k in bad)}; "
-                              f"stopped before applying it, the last good checkpoint (step {kept()}) is kept")
+        raise TrainingStopped(f"{obj.stage} step {step + 1}: non-finite "
+                              f"{', '.join(f'{k} ({rec[k]})' for k in bad)}; stopped before "
+                              f"applying it, the last good checkpoint (step {kept()}) is kept")
     rec["grad_norm"] = apply(params, opt, gs, lr, obj.clip)
     rec.update(lr=lr, time=time.perf_counter() - t0)
     return rec
 
 
-def train(obj, params, opt, group, step=0, save=None, every=0, hooks=(), stop_after=None, kept=lambda: "none"):
+def train(obj, params, opt, group, step=0, save=None, every=0, hooks=(), stop_after=None,
+          kept=lambda: "none"):
     """Steps obj from `step` to obj.steps. save(step): the stage's checkpoint, every `every` steps.
     hooks: f(step, rec) after each step. stop_after: return early at that step (a simulated kill).
     kept(): the step of the last good checkpoint, for the non-finite message.

@@ -7,7 +7,8 @@ budget is refused here with the plan and settings that fit (`vkdsl-train --plan`
 
 The step is planned at the most supervised positions a micro-batch of the training rows can hold
 (head_rows). With `window` every step has exactly that shape, one program; without it each other
-bucketed length a run meets builds another program no larger than the planned one (the plan says so)."""
+bucketed length a run meets builds another program no larger than the planned one (the plan says
+so)."""
 from __future__ import annotations
 
 import dataclasses
@@ -67,12 +68,14 @@ def step_bytes(r, cfg) -> int:
     n = head_rows(rows, cfg)
     pos, lab = select(_supervised(B, T, n), size=n)
     inv = np.ones(1, np.float32)
-    feed = np.zeros((B, T), np.int32) if not stepper.prefix.start else np.zeros((B, T, m.cfg.dim), np.float32)
+    feed = (np.zeros((B, T), np.int32) if not stepper.prefix.start
+            else np.zeros((B, T, m.cfg.dim), np.float32))
     base = () if stepper.base_cache is None else tuple(
         split_rows(np.zeros((len(pos), m.cfg.vocab_size), np.float32), m.logit_rows))
     if cfg.window:
         pk = Packing.plan([T] * B, T, min_seq=B)
-        return stepper.fn_packed.plan(feed, pos, lab, inv, pk.positions(), pk.spans(), *base)["total"]
+        return stepper.fn_packed.plan(feed, pos, lab, inv, pk.positions(), pk.spans(),
+                                      *base)["total"]
     return stepper.fn.plan(feed, pos, lab, inv, *base)["total"]
 
 
@@ -93,13 +96,17 @@ def plan(r, cfg=None) -> dict:
         E, T = _largest(dataclasses.replace(cfg, batch_size=cfg.eval_batch, window=0), scored)
         n = head_rows(scored, dataclasses.replace(cfg, batch_size=E, window=0))
         pos, lab = select(_supervised(E, T, n), size=n)
-        feed = np.zeros((E, T, m.cfg.dim), np.float32) if r.prefix.start else np.zeros((E, T), np.int32)
-        parts["evaluation"] = 2 * r.scorer.fns[True].plan(feed, pos, lab)["total"]   # adapters on, and off
-    return {"parts": parts, "total": sum(parts.values()), "budget": budget(cfg), "shape": _largest(cfg, r.train)}
+        feed = (np.zeros((E, T, m.cfg.dim), np.float32) if r.prefix.start
+                else np.zeros((E, T), np.int32))
+        # adapters on, and off
+        parts["evaluation"] = 2 * r.scorer.fns[True].plan(feed, pos, lab)["total"]
+    return {"parts": parts, "total": sum(parts.values()), "budget": budget(cfg),
+            "shape": _largest(cfg, r.train)}
 
 
 def budget(cfg) -> int:
-    """--device-memory, or what this device lets vkdsl allocate (its heap, $VKDSL_DEVICE_MEMORY_LIMIT)."""
+    """--device-memory, or what this device lets vkdsl allocate (its heap,
+    $VKDSL_DEVICE_MEMORY_LIMIT)."""
     return parse_bytes(cfg.device_memory) if cfg.device_memory else default_device().memory_budget
 
 
@@ -109,8 +116,10 @@ def lines(p, cfg) -> list[str]:
     out = [f"device memory plan ({what} a micro-batch, checkpoint {cfg.checkpoint}, "
            f"activations {cfg.activations}):"]
     out += [f"  {k:<14} {v / MiB:9.1f} MiB" for k, v in p["parts"].items()]
-    out.append(f"  {'total':<14} {p['total'] / MiB:9.1f} MiB of a {p['budget'] / MiB:.0f} MiB budget"
-               + ("" if cfg.window else "; each other row length met adds a step program no larger"))
+    out.append(f"  {'total':<14} {p['total'] / MiB:9.1f} MiB of a {p['budget'] / MiB:.0f} "
+               f"MiB budget"
+               + ("" if cfg.window
+                  else "; each other row length met adds a step program no larger"))
     return out
 
 
@@ -125,7 +134,8 @@ def alternatives(cfg):
             if n == 1 or n % 2:
                 return
             n //= 2
-    acts = [cfg.activations] + (["fp16"] if cfg.activations != "fp16" and default_device().limits.storage16 else [])
+    acts = ([cfg.activations]
+            + (["fp16"] if cfg.activations != "fp16" and default_device().limits.storage16 else []))
     return [dataclasses.replace(cfg, checkpoint=ck, batch_size=b, eval_batch=e, activations=a,
                                 grad_accum=cfg.grad_accum * (cfg.batch_size // b))
             for a in acts for b in halvings(cfg.batch_size) for e in halvings(cfg.eval_batch)
@@ -148,10 +158,12 @@ def check(r, say) -> dict:
     if p["total"] <= p["budget"]:
         return p
     hint = next((c for c in alternatives(r.cfg) if plan(r, c)["total"] <= p["budget"]), None)
-    fix = (f"checkpoint = {hint.checkpoint}, batch_size = {hint.batch_size}, grad_accum = {hint.grad_accum}, "
-           f"eval_batch = {hint.eval_batch}" + (f", activations = {hint.activations}" if hint.activations !=
-                                                r.cfg.activations else "") + " fits" if hint else
-           "no checkpointing, batch split or fp16 activations fits: shorten max_len/window or quantize the base")
+    fix = (f"checkpoint = {hint.checkpoint}, batch_size = {hint.batch_size}, grad_accum = "
+           f"{hint.grad_accum}, eval_batch = {hint.eval_batch}"
+           + (f", activations = {hint.activations}" if hint.activations !=
+              r.cfg.activations else "") + " fits" if hint else
+           "no checkpointing, batch split or fp16 activations fits: shorten max_len/window or "
+           "quantize the base")
     big = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in p["parts"].items() if v >= MiB)
-    raise MemoryPlanError(f"the run needs {p['total'] / MiB:.0f} MiB of device memory ({big}) and the budget "
-                          f"is {p['budget'] / MiB:.0f} MiB: {fix}")
+    raise MemoryPlanError(f"the run needs {p['total'] / MiB:.0f} MiB of device memory ({big}) and "
+                          f"the budget is {p['budget'] / MiB:.0f} MiB: {fix}")

@@ -73,7 +73,8 @@ class Packing:
 
     def supervised_order(self, labels: np.ndarray) -> np.ndarray:
         """For the packed layout's supervised positions in flat order, the index of the same token
-        among the padded layout's supervised positions (flat order): packed[i] = padded[order[i]]."""
+        among the padded layout's supervised positions (flat order): packed[i] =
+        padded[order[i]]."""
         B, T = labels.shape
         live = labels != IGNORE
         index = np.full((B, T), -1, np.int64)
@@ -90,7 +91,7 @@ def efficiency_line(tk: dict, pack: bool) -> str:
     """What a run says of its SFT positions: computed, real, supervised, and how many micro-batches
     packed rows together (tk: the Run's token counts)."""
     return (f"SFT token efficiency: {tk['computed']:,} positions computed, {tk['real']:,} real "
-            f"({100 * tk['real'] / tk['computed']:.0f}%; the rest is padding), {tk['supervised']:,} supervised "
-            f"({100 * tk['supervised'] / tk['computed']:.1f}%); "
+            f"({100 * tk['real'] / tk['computed']:.0f}%; the rest is padding), "
+            f"{tk['supervised']:,} supervised ({100 * tk['supervised'] / tk['computed']:.1f}%); "
             + (f"{tk['packed']} of {tk['micro']} micro-batches packed several rows into a sequence"
                if pack else "packing off"))

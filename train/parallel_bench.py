@@ -22,8 +22,10 @@ def bench_parallel(steps: int = 6) -> list[dict]:
     g = group("auto")
     if GLOBAL_ROWS % g.size:
         raise ValueError(f"{g.size} processes do not divide the global batch of {GLOBAL_ROWS} rows")
-    cfg = TrainConfig(verify=False, quiet=True, batch_size=GLOBAL_ROWS // g.size, steps=steps + 1).validate()
-    r = Run(cfg, tempfile.mkdtemp(prefix=f"vkdsl-bench-rank{g.rank}-"), Reporter(None, quiet=True), group=g)
+    cfg = TrainConfig(verify=False, quiet=True, batch_size=GLOBAL_ROWS // g.size,
+                      steps=steps + 1).validate()
+    r = Run(cfg, tempfile.mkdtemp(prefix=f"vkdsl-bench-rank{g.rank}-"), Reporter(None, quiet=True),
+            group=g)
     walls, reduce, real = [], [], 0
     for s in range(steps + 1):
         idx = r.sampler.next()
@@ -40,6 +42,7 @@ def bench_parallel(steps: int = 6) -> list[dict]:
     wall, red = float(np.median(walls)), float(np.median(reduce))
     rows = [{"ranks": g.size, "rows per rank": GLOBAL_ROWS // g.size, "step s (median)": wall,
              "compute s": wall - red, "all-reduce s": red, "communication share": red / wall,
-             "gradient bytes": grad_bytes, "ring bytes sent per rank": ring_bytes(grad_bytes, g.size) if g.size > 1
+             "gradient bytes": grad_bytes,
+             "ring bytes sent per rank": ring_bytes(grad_bytes, g.size) if g.size > 1
              else 0.0, "tokens/s": real / sum(walls), "steps timed": steps}]
     return rows if g.root else []

@@ -29,7 +29,8 @@ class FrozenPrefix:
         self.model, self.start = model, start if budget_bytes > 0 else 0
         self.budget, self.bytes, self.rows = int(budget_bytes), 0, {}
         self.hits = self.misses = 0
-        self.fn = vkdsl.trace(lambda ids: model.forward(ids, stop=self.start)) if self.start else None
+        self.fn = (vkdsl.trace(lambda ids: model.forward(ids, stop=self.start)) if self.start
+                   else None)
 
     @staticmethod
     def key(ids_row: np.ndarray, scored: np.ndarray) -> tuple[bytes, int]:
@@ -37,7 +38,8 @@ class FrozenPrefix:
         end = int(sup[-1]) + 1 if len(sup) else 0
         return hashlib.sha256(ids_row[:end].tobytes()).digest(), end
 
-    def feed(self, ids: np.ndarray, labels: np.ndarray, extra_scored: np.ndarray | None = None) -> np.ndarray:
+    def feed(self, ids: np.ndarray, labels: np.ndarray,
+             extra_scored: np.ndarray | None = None) -> np.ndarray:
         """labels (B, T): positions with a label are scored; extra_scored (B, T) bool marks more."""
         if not self.start:
             return ids
@@ -54,7 +56,8 @@ class FrozenPrefix:
                 miss.append(b)
         self.hits += B - len(miss)
         if miss:
-            # only the rows not cached yet, padded to a power of two (a few batch shapes, few programs)
+            # only the rows not cached yet, padded to a power of two (a few batch shapes, few
+            # programs)
             self.misses += 1
             n = min(B, 1 << (len(miss) - 1).bit_length())
             full = np.asarray(self.fn(ids[miss + miss[:1] * (n - len(miss))]), np.float32)

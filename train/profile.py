@@ -11,8 +11,9 @@ import numpy as np
 
 from vkdsl.bench import step_flops, time_steps
 
-CLASSES = ("quantized matmul, forward (x·Wᵀ)", "quantized matmul, input gradient (dy·W)", "LM head + cross-entropy",
-           "attention forward (fused kernel)", "LoRA (narrow matmuls)", "fp32 matmul (attention backward, other)",
+CLASSES = ("quantized matmul, forward (x·Wᵀ)", "quantized matmul, input gradient (dy·W)",
+           "LM head + cross-entropy", "attention forward (fused kernel)", "LoRA (narrow matmuls)",
+           "fp32 matmul (attention backward, other)",
            "elementwise and reductions (norms, RoPE, SwiGLU, softmax pieces)", "embedding gather",
            "attention backward (fused kernels)", "ordering copies (head + loss fusion)",
            "other hand-written kernels (dequantize, the delta rule's chunk solve)")
@@ -37,7 +38,7 @@ def kernel_class(step, vocab: int) -> str:
         a, b = t.src
         if vocab in t.shape or vocab in a.shape or vocab in b.shape:
             return CLASSES[2]
-        return CLASSES[4] if min(*t.shape[-2:], *a.shape[-2:]) <= 32 else CLASSES[5]      # rank <= 32
+        return CLASSES[4] if min(*t.shape[-2:], *a.shape[-2:]) <= 32 else CLASSES[5]  # rank <= 32
     if step.kind == "gather":
         return CLASSES[7]
     touches_vocab = vocab in t.shape or any(vocab in s.shape for s in step.inputs)
@@ -55,9 +56,10 @@ def table(prog, vocab: int, wall_s: float, objective: str) -> list[dict]:
     rows = [{"objective": objective, "class": c, "calls": calls[c], "seconds": secs[c],
              "share": secs[c] / wall_s, "gflops": flops[c] / secs[c] / 1e9 if flops[c] else None}
             for c in sorted(secs, key=lambda c: -secs[c])]
-    rows.append({"objective": objective, "class": "host: optimizer, copies, submit (step wall − kernels)",
-                 "calls": 1, "seconds": max(wall_s - kernels, 0.0), "share": max(wall_s - kernels, 0.0) / wall_s,
-                 "gflops": None})
+    rows.append({"objective": objective,
+                 "class": "host: optimizer, copies, submit (step wall − kernels)", "calls": 1,
+                 "seconds": max(wall_s - kernels, 0.0),
+                 "share": max(wall_s - kernels, 0.0) / wall_s, "gflops": None})
     rows.append({"objective": objective, "class": "step wall", "calls": prog.recording.n_dispatches,
                  "seconds": wall_s, "share": 1.0, "gflops": None})
     return rows
@@ -79,7 +81,7 @@ def profile_sft(path=None) -> list[dict]:
     micro = r.micro_batches(r.sampler.next())
     ids, labels = micro[0][:2]
     pos, lab = select(labels)
-    x = r.stepper.prefix.feed(ids, labels)              # the stream entering the first adapted layer
+    x = r.stepper.prefix.feed(ids, labels)  # the stream entering the first adapted layer
     args = [x, pos, lab, np.ones(1, np.float32)]
     if r.stepper.base_cache is not None:
         args += r.stepper._chunks(r.stepper.base_cache.logits(ids, labels, pos, x))
@@ -102,17 +104,20 @@ def profile_dpo(path=None) -> list[dict]:
 
 
 def bench_or_profile(objective="sft", path=None, profile=False, checkpoint="none", plan=False,
-                     shape="4x256", targets="qv,all", steps=0, lr=1e-4, activations="fp32") -> list[dict]:
-    """`vkdsl bench train [--objective dpo] [--by-kernel] [--checkpoint C] [--plan]`: the step's speed
-    and memory, its planned memory, or where its time goes."""
+                     shape="4x256", targets="qv,all", steps=0, lr=1e-4,
+                     activations="fp32") -> list[dict]:
+    """`vkdsl bench train [--objective dpo] [--by-kernel] [--checkpoint C] [--plan]`: the step's
+    speed and memory, its planned memory, or where its time goes."""
     from .bench import bench_train
     if not profile:
-        return bench_train(objective, path, checkpoint, plan, shape, targets, steps, lr, activations)
+        return bench_train(objective, path, checkpoint, plan, shape, targets, steps, lr,
+                           activations)
     return profile_dpo(path) if objective == "dpo" else profile_sft(path)
 
 
 def profile_bench_sft(shape: str = "4x256", targets: str = "qv", path=None) -> list[dict]:
-    """The bench rows' SFT step (random tokens, every position supervised, no frozen prefix) by class."""
+    """The bench rows' SFT step (random tokens, every position supervised, no frozen prefix) by
+    class."""
     from vkdsl.models import load_model_files
     from vkdsl.models.default import default_model_path
     from vkdsl.models.llama import Llama
@@ -124,12 +129,14 @@ def profile_bench_sft(shape: str = "4x256", targets: str = "qv", path=None) -> l
     labels = np.roll(ids, -1, axis=1)
     st, params = sft_stepper(model, ("attn_q", "attn_v") if targets == "qv" else ALL)
     wall, _ = time_stepper(model, st, params, [(ids, labels)], reps=1)
-    return table(st.fn.program(ids, *_select_args(labels)), model.cfg.vocab_size, wall, f"sft {shape} {targets}")
+    return table(st.fn.program(ids, *_select_args(labels)), model.cfg.vocab_size, wall,
+                 f"sft {shape} {targets}")
 
 
 if __name__ == "__main__":
     # python -m vkdsl.train.profile [4x256] [qv|all] [MODEL]: the bench SFT row by kernel class
     import sys
     for r in profile_bench_sft(*sys.argv[1:4]):
-        print(f"{r['class']:70s} calls={r['calls']:5d} seconds={r['seconds']:7.3f} share={r['share']:.3f} "
+        print(f"{r['class']:70s} calls={r['calls']:5d} seconds={r['seconds']:7.3f} "
+              f"share={r['share']:.3f} "
               f"gflops={r['gflops'] if r['gflops'] is None else round(r['gflops'], 1)}")

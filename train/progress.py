@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 
@@ -81,8 +82,9 @@ class Reporter:
         done = step - self.first + 1
         eta = el / done * (total - step)
         tok_s = rec["seq_tokens"] / max(rec["time"], 1e-9)
-        line = (f"step {step}/{total}  loss {rec['loss']:.4f}  tmkl {rec['tmkl']:.4f}  lr {rec['lr']:.2e}  "
-                f"|g| {rec['grad_norm']:.3f}  {tok_s:.0f} tok/s  ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+        line = (f"step {step}/{total}  loss {rec['loss']:.4f}  tmkl {rec['tmkl']:.4f}  lr "
+                f"{rec['lr']:.2e}  |g| {rec['grad_norm']:.3f}  {tok_s:.0f} tok/s  ETA "
+                f"{int(eta // 60)}m{int(eta % 60):02d}s")
         if self.log:
             self.log.write(line + "\n")
             self.log.flush()
@@ -93,9 +95,11 @@ class Reporter:
             print(line, flush=True)
             return
         if self.bar is None:
-            self.bar = tqdm(total=total, initial=step - 1, unit="step", dynamic_ncols=True, file=sys.stdout)
-        self.bar.set_postfix_str(f"loss {rec['loss']:.4f} tmkl {rec['tmkl']:.4f} lr {rec['lr']:.2e} "
-                                 f"|g| {rec['grad_norm']:.3f} {tok_s:.0f} tok/s", refresh=False)
+            self.bar = tqdm(total=total, initial=step - 1, unit="step", dynamic_ncols=True,
+                            file=sys.stdout)
+        self.bar.set_postfix_str(f"loss {rec['loss']:.4f} tmkl {rec['tmkl']:.4f} lr "
+                                 f"{rec['lr']:.2e} |g| {rec['grad_norm']:.3f} {tok_s:.0f} tok/s",
+                                 refresh=False)
         self.bar.update(1)
         if step >= total:
             self.close()
@@ -104,3 +108,61 @@ class Reporter:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def evidence_table(ev) -> str:
+    """An evaluation (train.evidence.Evidence) as the lines the run prints."""
+    L = [f"evidence at step {ev.step}:",
+         "  train loss (last step)       "
+         + ("-" if ev.train_loss is None else f"{ev.train_loss:.4f}"),
+         f"  held-out loss                {ev.heldout_loss:.4f}  (base {ev.heldout_loss_base:.4f})"]
+    if ev.heldout_acc is not None:
+        lo, hi = ev.heldout_acc_ci
+        L.append(f"  held-out accuracy            {ev.heldout_acc:.3f}  Wilson 95% [{lo:.3f}, "
+                 f"{hi:.3f}]  ({ev.heldout_correct}/{ev.heldout_n}; base "
+                 f"{ev.heldout_acc_base:.3f})")
+    L.append(f"  preservation delta           {ev.preservation_delta:+.4f} nats/token vs base "
+             f"({ev.preservation_loss:.4f} vs {ev.preservation_loss_base:.4f})")
+    cal = ev.calibration
+    if cal:
+        L.append(f"  calibration (ECE, 10 bins)   {cal['ece']:.3f} over {cal['n']} rows; bins (n: "
+                 f"accuracy/confidence) "
+                 + " ".join(f"{b['n']}:{b['accuracy']:.2f}/{b['confidence']:.2f}"
+                            for b in cal["bins"] if b["n"]))
+    if ev.format_valid is not None:
+        L.append(f"  format (greedy = one label + end-of-turn) {ev.format_valid:.3f} of "
+                 f"{ev.format_n} prompts")
+        for f in ev.format_failures:
+            L.append(f"    e.g. {f['row']}: expected {f['expected']!r}, generated "
+                     f"{f['generated']!r}")
+    sl = ev.slices
+    if sl:
+        for c, v in sl["categories"].items():
+            acc = "" if v["accuracy"] is None else f"  accuracy {v['accuracy']:.3f} ({v['n']} rows)"
+            L.append(f"  held-out [{c}]{' ' * max(1, 18 - len(c))}loss {v['loss']:.4f}{acc}"
+                     + ("  <- worst slice" if c == sl["worst"] else ""))
+    else:
+        for c, v in ev.category_loss.items():
+            L.append(f"  held-out loss [{c}]{' ' * max(1, 13 - len(c))}{v:.4f}")
+    st = ev.stability_checkpoint
+    if st and st["agreement"] is not None:
+        L.append(f"  stability: decisions agree with "
+                 f"{'the base' if st['step'] == 'base' else 'step ' + str(st['step'])} on "
+                 f"{st['agreement']:.3f} of rows")
+    fp = ev.stability_fp32
+    if fp and fp["agreement"] is not None:
+        L.append(f"  stability: packed base vs fp32-dequantized base, same adapter: "
+                 f"{fp['agreement']:.3f} of {fp['rows']} decisions agree")
+    L.append(f"  adapter checksum             {ev.checksum} "
+             f"({'changed' if ev.checksum_changed else 'UNCHANGED'} since init)")
+    if ev.merge_max_diff is not None:
+        L.append(f"  merged vs separate           max diff {ev.merge_max_diff:.2e}, argmax "
+                 f"agreement {ev.merge_argmax:.3f} ({ev.merge_module})")
+    for n, s in list(ev.spectrum.items())[:4]:
+        L.append(f"  {n:<20} sv {', '.join(f'{x:.3g}' for x in s['sv'])}  stable rank "
+                 f"{s['stable_rank']:.2f}")
+    if len(ev.spectrum) > 4:
+        srs = [s["stable_rank"] for s in ev.spectrum.values()]
+        L.append(f"  ({len(srs)} modules: stable rank min {min(srs):.2f} / mean {np.mean(srs):.2f} "
+                 f"/ max {max(srs):.2f})")
+    return "\n".join(L)

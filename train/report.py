@@ -17,12 +17,16 @@ from vkdsl.fileio import atomic_write
 from .charts import bar_chart, line_chart, reliability_chart
 from .evidence import DpoEvidence, Evidence, Gate
 
-CSS = ("body{font:14px/1.45 system-ui,sans-serif;max-width:1000px;margin:24px auto;padding:0 16px;color:#222}"
-       "h2{margin-top:28px;border-bottom:1px solid #ddd}table{border-collapse:collapse;margin:8px 0 14px}"
-       "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right;vertical-align:top}th{background:#f3f3f3}"
+CSS = ("body{font:14px/1.45 system-ui,sans-serif;max-width:1000px;margin:24px auto;padding:0 "
+       "16px;color:#222}"
+       "h2{margin-top:28px;border-bottom:1px solid "
+       "#ddd}table{border-collapse:collapse;margin:8px 0 14px}"
+       "td,th{border:1px solid #ccc;padding:3px "
+       "8px;text-align:right;vertical-align:top}th{background:#f3f3f3}"
        "td:first-child,th:first-child{text-align:left}.pass{color:#1a7f37;font-weight:600}"
-       ".fail{color:#c62828;font-weight:600}.q{color:#555;margin:2px 0 8px}.row{display:flex;gap:12px;"
-       "flex-wrap:wrap}code{background:#f5f5f5;padding:1px 4px;word-break:break-all}")
+       ".fail{color:#c62828;font-weight:600}.q{color:#555;margin:2px 0 "
+       "8px}.row{display:flex;gap:12px;flex-wrap:wrap}code{background:#f5f5f5;padding:1px "
+       "4px;word-break:break-all}")
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -61,7 +65,8 @@ def _num(v, nd=3) -> str:
 def html_table(head, rows, raw=False) -> str:
     """A table of cell strings (escaped unless raw)."""
     th = "".join(f"<th>{_e(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{c if raw else _e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td>{c if raw else _e(c)}</td>" for c in r) + "</tr>"
+                   for r in rows)
     return f"<table><tr>{th}</tr>{body}</table>"
 
 
@@ -78,32 +83,38 @@ class RunData:
         if not self.dir.is_dir():
             raise FileNotFoundError(f"{self.dir}: no such run folder")
         if not (self.dir / "config.json").is_file():
-            raise FileNotFoundError(f"{self.dir}: not a vkdsl-train run folder (no config.json; a run writes it "
-                                    f"before anything else)")
+            raise FileNotFoundError(f"{self.dir}: not a vkdsl-train run folder (no config.json; a "
+                                    f"run writes it before anything else)")
         # a finished run (summary.json is its last record) has every record; one missing was deleted
         # or lost, and a page without it would tell a different story ("no SFT steps were run")
         finished = (self.dir / "summary.json").is_file()
         missing = [n for n in RECORDS if finished and not (self.dir / n).exists()]
         if missing:
-            raise FileNotFoundError(f"{self.dir}: a finished run (summary.json) without {', '.join(missing)}: "
-                                    f"deleted or lost; the report would misstate the run")
+            raise FileNotFoundError(f"{self.dir}: a finished run (summary.json) without "
+                                    f"{', '.join(missing)}: deleted or lost; the report would "
+                                    f"misstate the run")
         self.finished = finished
         self.rows = _read_jsonl(self.dir / "metrics.jsonl")
         self.summary = _read_json(self.dir / "summary.json") or {}
         self.config = _read_json(self.dir / "config.json") or {}
         self.manifest = _read_json(self.dir / "adapter" / "vkdsl_manifest.json") or {}
-        base, gates = _read_json(self.dir / "base_eval.json") or {}, _read_json(self.dir / "gates.json")
+        base, gates = (_read_json(self.dir / "base_eval.json") or {},
+                       _read_json(self.dir / "gates.json"))
         try:                # the records as their types: a record of another shape is one line
             self.base = Evidence.from_json(base["base"]) if base.get("base") else None
             self.gates = [Gate.from_record(g) for g in (gates or self.summary.get("gates") or [])]
             evals = [r for r in self.rows if r.get("event") == "eval"]
-            self.final = Evidence.from_json(self.summary.get("final") or (evals[-1] if evals else {}))
-            self.dpo = DpoEvidence.from_json(self.summary["dpo"]) if self.summary.get("dpo") else None
+            self.final = Evidence.from_json(self.summary.get("final")
+                                            or (evals[-1] if evals else {}))
+            self.dpo = (DpoEvidence.from_json(self.summary["dpo"]) if self.summary.get("dpo")
+                        else None)
         except (AttributeError, TypeError, ValueError) as e:
-            raise ValueError(f"{self.dir}: a record is not in the shape vkdsl-train writes ({e})") from None
+            raise ValueError(f"{self.dir}: a record is not in the shape vkdsl-train "
+                             f"writes ({e})") from None
 
     def steps(self, event, key):
-        return [(r["step"], r[key]) for r in self.rows if r.get("event") == event and r.get(key) is not None]
+        return [(r["step"], r[key]) for r in self.rows if r.get("event") == event
+                and r.get(key) is not None]
 
 
 def _surface_rows(stages: list[tuple[str, Evidence]]) -> list[list]:
@@ -138,7 +149,8 @@ def _stages(d: RunData) -> list[tuple[str, Evidence]]:
     if d.final.step is not None and d.summary.get("sft_steps"):
         out.append(("after SFT", d.final))
     if d.dpo and d.dpo.after:
-        out.append(("after DPO", dataclasses.replace(d.dpo.after, preservation_delta=d.dpo.preservation_delta)))
+        out.append(("after DPO",
+                    dataclasses.replace(d.dpo.after, preservation_delta=d.dpo.preservation_delta)))
     return out
 
 
@@ -158,13 +170,16 @@ def _transfer(d: RunData) -> str:
     parts = [html_table(["surface"] + [n for n, _ in st], _surface_rows(st))]
     rel = [reliability_chart(e.calibration["bins"], n) for n, e in st if e.calibration]
     if rel:
-        parts.append("<p class='q'>Reliability: accuracy per bin of the winning label's probability (bar), the "
-                     "diagonal is perfect calibration; n = rows in the bin.</p><div class='row'>" + "".join(rel) + "</div>")
+        parts.append("<p class='q'>Reliability: accuracy per bin of the winning label's "
+                     "probability (bar), the diagonal is perfect calibration; n = rows in the "
+                     "bin.</p><div class='row'>" + "".join(rel) + "</div>")
     fails = [(n, f) for n, e in st for f in e.format_failures]
     if fails:
-        parts.append("<p class='q'>Format failures, verbatim (greedy, up to three per stage):</p>" + html_table(
-            ["stage", "row", "expected", "generated"], [[n, f["row"].rsplit("/", 1)[-1], f["expected"],
-                                                         repr(f["generated"])] for n, f in fails]))
+        table = html_table(["stage", "row", "expected", "generated"],
+                           [[n, f["row"].rsplit("/", 1)[-1], f["expected"], repr(f["generated"])]
+                            for n, f in fails])
+        parts.append("<p class='q'>Format failures, verbatim (greedy, up to three per stage):</p>"
+                     + table)
     return "".join(parts)
 
 
@@ -177,12 +192,15 @@ def _cost(d: RunData) -> str:
     if not cats:
         return "<p>No per-category evidence.</p>"
     names = [n for n, _ in st]
-    rows = [[c] + [f"{_num(v[n]['loss'])} / {_num(v[n]['accuracy'])}" if n in v else "–" for n in names]
+    rows = [[c] + [f"{_num(v[n]['loss'])} / {_num(v[n]['accuracy'])}" if n in v else "–"
+                   for n in names]
             for c, v in sorted(cats.items())]
     last = names[-1]
     change = {c: v[last]["accuracy"] - v["base"]["accuracy"] for c, v in cats.items()
-              if last in v and "base" in v and v[last]["accuracy"] is not None and v["base"]["accuracy"] is not None}
-    chart = bar_chart(change, f"accuracy change, base -> {last}") if change and last != "base" else ""
+              if last in v and "base" in v and v[last]["accuracy"] is not None
+              and v["base"]["accuracy"] is not None}
+    chart = (bar_chart(change, f"accuracy change, base -> {last}") if change and last != "base"
+             else "")
     return html_table(["category: loss / accuracy"] + names, rows) + chart
 
 
@@ -193,11 +211,12 @@ def _dpo(d: RunData) -> str:
     split = d.dpo.heldout or d.dpo.train
     losses = [(i + 1, v) for i, (_, v) in enumerate(d.steps("dpo_step", "dpo_loss"))]
     chart = line_chart({"DPO loss": losses}, "DPO step", "loss", w=520) if len(losses) >= 2 else ""
-    rows = [[k, _num(getattr(split, k, None))] for k in ("pair_accuracy", "improvement_accuracy",
-                                                          "margin_improvement", "chosen_drift", "rejected_drift",
-                                                          "pairs")]
+    fields = ("pair_accuracy", "improvement_accuracy", "margin_improvement", "chosen_drift",
+              "rejected_drift", "pairs")
+    rows = [[k, _num(getattr(split, k, None))] for k in fields]
     story = f"<p>{_e(margin_story(split))}</p>" if split else ""
-    return chart + html_table(["held-out pairs" if d.dpo.heldout else "training pairs", "value"], rows) + story
+    return (chart + html_table(["held-out pairs" if d.dpo.heldout else "training pairs", "value"],
+                               rows) + story)
 
 
 def _update(d: RunData) -> str:
@@ -207,45 +226,59 @@ def _update(d: RunData) -> str:
     rows = [[m, ", ".join(f"{x:.3g}" for x in s["sv"]), _num(s["stable_rank"], 2), _num(s["fro"])]
             for m, s in spec.items()]
     first = dict(list(spec.items())[:6])
-    chart = line_chart({m: [x / s["sv"][0] for x in s["sv"]] for m, s in first.items() if s["sv"] and s["sv"][0] > 0},
+    chart = line_chart({m: [x / s["sv"][0] for x in s["sv"]] for m, s in first.items() if s["sv"]
+                        and s["sv"][0] > 0},
                        "singular value index", "sigma_i / sigma_1 (log)", log=True, w=620)
-    return chart + html_table(["module", "top singular values of s·A·B", "stable rank", "||s·A·B||_F"], rows)
+    return (chart + html_table(["module", "top singular values of s·A·B", "stable rank",
+                                "||s·A·B||_F"], rows))
 
 
 def _gates(d: RunData) -> str:
     if not d.gates:
         return "<p>No gates recorded.</p>"
-    return html_table(["gate", "result", "detail"], [[_e(g.gate), f"<span class='{'pass' if g.passed else 'fail'}'>"
-                                                  f"{'PASS' if g.passed else 'FAIL'}</span>", _e(g.detail)]
-                                                 for g in d.gates], raw=True)
+    return html_table(["gate", "result", "detail"],
+                      [[_e(g.gate), f"<span class='{'pass' if g.passed else 'fail'}'>"
+                                    f"{'PASS' if g.passed else 'FAIL'}</span>", _e(g.detail)]
+                       for g in d.gates], raw=True)
 
 
 def _provenance(d: RunData) -> str:
     m, c = d.manifest, d.config
     rows = [["model", c.get("model") or "the default SmolLM2-135M-Instruct"],
-            ["base sha256", (m.get("base") or {}).get("sha256", "–") if isinstance(m.get("base"), dict) else m.get("base", "–")],
-            ["tokenizer sha256", m.get("tokenizer_sha256", "–")], ["device", m.get("device", "–")],
-            ["vkdsl", m.get("vkdsl_version", m.get("vkdsl", "–"))], ["objective", c.get("objective", "–")]]
+            ["base sha256",
+             (m.get("base") or {}).get("sha256", "–") if isinstance(m.get("base"), dict)
+             else m.get("base", "–")],
+            ["tokenizer sha256", m.get("tokenizer_sha256", "–")],
+            ["device", m.get("device", "–")],
+            ["vkdsl", m.get("vkdsl_version", m.get("vkdsl", "–"))],
+            ["objective", c.get("objective", "–")]]
     for k, v in (m.get("data") or {}).items():
-        rows.append([k, f"{Path(str(v.get('file', ''))).name} (sha256 {str(v.get('sha256', ''))[:16]}...)"])
-    rows += [[f"setting: {k}", json.dumps(v) if isinstance(v, (list, dict)) else v] for k, v in c.items()
+        rows.append([k, f"{Path(str(v.get('file', ''))).name} (sha256 "
+                        f"{str(v.get('sha256', ''))[:16]}...)"])
+    rows += [[f"setting: {k}", json.dumps(v) if isinstance(v, (list, dict)) else v]
+             for k, v in c.items()
              if not str(k).endswith("_file") and k != "model"]
     return html_table(["what", "value"], rows)
 
 
-PANELS = [("Did training fit?", "Training loss per step and held-out loss per evaluation (same units), the "
+PANELS = [("Did training fit?",
+           "Training loss per step and held-out loss per evaluation (same units), the "
            "learning rate beside them.", _fit),
-          ("Did it transfer?", "Every failure surface before training, after SFT and after DPO.", _transfer),
-          ("What did it cost?", "Per category: held-out loss and label accuracy at each stage.", _cost),
-          ("DPO", "The preference stage: its loss, and how the margin moved (chosen and rejected separately).", _dpo),
-          ("The update", "Spectrum of each module's learned s·A·B (at most r nonzero values).", _update),
+          ("Did it transfer?", "Every failure surface before training, after SFT and after DPO.",
+           _transfer),
+          ("What did it cost?", "Per category: held-out loss and label accuracy at each stage.",
+           _cost),
+          ("DPO", "The preference stage: its loss, and how the margin moved (chosen and rejected "
+                  "separately).", _dpo),
+          ("The update", "Spectrum of each module's learned s·A·B (at most r nonzero values).",
+           _update),
           ("Gates", "Each surface's gate, separately; no weighted sum.", _gates),
           ("Provenance", "Where this run came from.", _provenance)]
 
 
 def _page(title, body) -> bytes:
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{CSS}</style>"
-            f"</head><body>{body}</body></html>").encode("utf-8")
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title>"
+            f"<style>{CSS}</style></head><body>{body}</body></html>").encode("utf-8")
 
 
 def build_report(run_dir) -> Path:
@@ -253,10 +286,12 @@ def build_report(run_dir) -> Path:
     ok = all(g.passed for g in d.gates) if d.gates else None
     head = (f"<h1>vkdsl run {_e(d.dir.name)}</h1><p>{_e(d.config.get('objective', ''))} on "
             f"{_e(d.config.get('model') or 'SmolLM2-135M-Instruct')}: "
-            + ("" if ok is None else f"<span class='{'pass' if ok else 'fail'}'>{sum(g.passed for g in d.gates)} of "
+            + ("" if ok is None
+               else f"<span class='{'pass' if ok else 'fail'}'>{sum(g.passed for g in d.gates)} of "
                f"{len(d.gates)} gates pass</span>") + "</p>"
-            + ("" if d.finished else "<p class='fail'>This run has not finished (no summary.json): the page shows "
-                                     "what it recorded so far.</p>"))
+            + ("" if d.finished
+               else "<p class='fail'>This run has not finished (no summary.json): the page shows "
+                    "what it recorded so far.</p>"))
     body = head + "".join(f"<h2>{_e(t)}</h2><p class='q'>{_e(q)}</p>{fn(d)}" for t, q, fn in PANELS)
     return atomic_write(d.dir / "report.html", _page(f"vkdsl run {d.dir.name}", body))
 
@@ -266,18 +301,24 @@ def compare_report(run_a, run_b, out=None) -> Path:
     the settings that differ."""
     a, b = RunData(run_a), RunData(run_b)
     sa, sb = _stages(a), _stages(b)
-    cols = [(f"{a.dir.name}: {n}", e) for n, e in (sa[0], sa[-1])] + [(f"{b.dir.name}: {n}", e) for n, e in (sb[0], sb[-1])]
+    cols = ([(f"{a.dir.name}: {n}", e) for n, e in (sa[0], sa[-1])]
+            + [(f"{b.dir.name}: {n}", e) for n, e in (sb[0], sb[-1])])
     names = list(dict.fromkeys(g.gate for g in a.gates + b.gates))
 
     def res(d, g):
         hit = next((x for x in d.gates if x.gate == g), None)
         return "–" if hit is None else ("PASS" if hit.passed else "FAIL")
     keys = sorted(set(a.config) | set(b.config))
-    diff = [[k, json.dumps(a.config.get(k)), json.dumps(b.config.get(k))] for k in keys if a.config.get(k) != b.config.get(k)]
+    diff = [[k, json.dumps(a.config.get(k)), json.dumps(b.config.get(k))] for k in keys
+            if a.config.get(k) != b.config.get(k)]
     body = (f"<h1>vkdsl runs {_e(a.dir.name)} and {_e(b.dir.name)}</h1><h2>Surfaces</h2>"
             + html_table(["surface"] + [n for n, _ in cols], _surface_rows(cols))
-            + "<h2>Gates</h2>" + html_table(["gate", a.dir.name, b.dir.name], [[g, res(a, g), res(b, g)] for g in names])
-            + "<h2>Settings that differ</h2>" + (html_table(["setting", a.dir.name, b.dir.name], diff) if diff else
-                                                 "<p>None: the same settings.</p>")
+            + "<h2>Gates</h2>"
+            + html_table(["gate", a.dir.name, b.dir.name],
+                         [[g, res(a, g), res(b, g)] for g in names])
+            + "<h2>Settings that differ</h2>"
+            + (html_table(["setting", a.dir.name, b.dir.name], diff) if diff else
+               "<p>None: the same settings.</p>")
             + "<div class='row'>" + _fit(a) + _fit(b) + "</div>")
-    return atomic_write(Path(out) if out else a.dir / f"compare-{b.dir.name}.html", _page("vkdsl compare", body))
+    return atomic_write(Path(out) if out else a.dir / f"compare-{b.dir.name}.html",
+                        _page("vkdsl compare", body))

@@ -1,4 +1,5 @@
-"""Learning rate: linear warmup to the peak, then cosine decay to peak * min_lr_ratio at the last step."""
+"""Learning rate: linear warmup to the peak, then cosine decay to peak * min_lr_ratio at the last
+step."""
 from __future__ import annotations
 
 import math

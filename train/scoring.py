@@ -1,6 +1,6 @@
-"""Scoring: the forward over scored positions only. Per row, the sum of next-token log-probs over its
-supervised positions (and, on request, the log-probs of given tokens at given positions), adapters on
-or off, in batches of one shape, shared out over the ranks of a parallel run."""
+"""Scoring: the forward over scored positions only. Per row, the sum of next-token log-probs over
+its supervised positions (and, on request, the log-probs of given tokens at given positions),
+adapters on or off, in batches of one shape, shared out over the ranks of a parallel run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,7 +34,8 @@ class Scorer:
         group: train.distributed's process group: the batches are shared out over the ranks and
         the scores gathered, in row order, on every rank (None: this process scores them all).
         keep: programs each scoring function holds (vkdsl.trace; 0: one per batch shape)."""
-        self.model, self.pad, self.bucket, self.max_len, self.batch = model, pad_id, bucket, max_len, batch
+        self.model, self.pad, self.bucket = model, pad_id, bucket
+        self.max_len, self.batch = max_len, batch
         self.keep = keep
         self.group = group
         self.prefix = prefix or FrozenPrefix(model, 0, 0)
@@ -45,7 +46,8 @@ class Scorer:
         def score(ids, pos, labels):
             h = selected_hidden(self.model, ids, pos, on, self.prefix.start)
             return head_rows(self.model, h, lambda lg, lab: (losses.token_logprobs(lg, lab)[0],
-                                                             losses.greedy_gap(lg, lab)), labels, differentiable=False)
+                                                             losses.greedy_gap(lg, lab)), labels,
+                             differentiable=False)
         return score
 
     def row_logprobs(self, rows: list[Example], adapters_on=True, extra=None):
@@ -60,7 +62,8 @@ class Scorer:
         if g is None or g.size == 1:
             return self._scores(rows, starts, adapters_on, extra)
         mine = starts[g.rank::g.size]                       # this rank's batches, then everyone's
-        local = self._split(self._scores(rows, mine, adapters_on, extra), [len(rows[s:s + self.batch]) for s in mine])
+        local = self._split(self._scores(rows, mine, adapters_on, extra),
+                            [len(rows[s:s + self.batch]) for s in mine])
         done = {}
         for part in g.allgather(list(zip(mine, local))):
             done.update(part)
@@ -74,7 +77,8 @@ class Scorer:
     def _split(sc: RowScores, sizes):
         parts, k = [], 0
         for n in sizes:
-            parts.append((sc.sums[k:k + n], sc.greedy[k:k + n], sc.extra[k:k + n], sc.extra_greedy[k:k + n]))
+            parts.append((sc.sums[k:k + n], sc.greedy[k:k + n], sc.extra[k:k + n],
+                          sc.extra_greedy[k:k + n]))
             k += n
         return parts
 
@@ -82,8 +86,10 @@ class Scorer:
         out = RowScores([], [], [], [])
         for s in starts:
             chunk = rows[s:s + self.batch]
-            fill = [Example(chunk[0].ids, [IGNORE] * len(chunk[0].ids), "", "")] * (self.batch - len(chunk))
-            ids, lab = collate(chunk + fill, self.pad, self.bucket, self.max_len)   # one batch shape: fewer programs
+            fill = ([Example(chunk[0].ids, [IGNORE] * len(chunk[0].ids), "", "")]
+                    * (self.batch - len(chunk)))
+            # one batch shape: fewer programs
+            ids, lab = collate(chunk + fill, self.pad, self.bucket, self.max_len)
             T = ids.shape[1]
             pos, sl, owner = [], [], []
             scored = np.zeros(ids.shape, bool)
@@ -93,12 +99,13 @@ class Scorer:
                 for j, (t, tokid) in enumerate((extra[s + i] if extra else [])):
                     pos.append(i * T + t), sl.append(tokid), owner.append((i, j))
                     scored[i, t] = True
-            g = 16 if len(pos) <= 64 else 64            # few scored positions (labels): a 16-row LM head
+            g = 16 if len(pos) <= 64 else 64  # few scored positions (labels): a 16-row LM head
             S = -(-len(pos) // g) * g
             p = np.zeros(S, np.int32)
             lb = np.full(S, IGNORE, np.int32)
             p[:len(pos)], lb[:len(pos)] = pos, sl
-            lp, gap = (np.asarray(a, np.float64) for a in self.fns[adapters_on](self.prefix.feed(ids, lab, scored), p, lb))
+            lp, gap = (np.asarray(a, np.float64)
+                       for a in self.fns[adapters_on](self.prefix.feed(ids, lab, scored), p, lb))
             for i in range(len(chunk)):
                 mine = [k for k, o in enumerate(owner) if o == (i, -1)]
                 ext = [k for k, o in enumerate(owner) if o[0] == i and o[1] >= 0]

@@ -22,10 +22,12 @@ def _dpo_loop(r, obj, opt, stop_after=None):
     if getattr(r, "dpo_saved", None) is not None:
         meta, params, state = r.dpo_saved
         if meta.get("start_adapter") != start_sum or meta["modules"] != r.names:
-            raise checkpoint.CheckpointError(f"{path}: DPO was checkpointed from another adapter than the one this "
-                                             f"run reaches before DPO (adapter {meta.get('start_adapter')} vs "
-                                             f"{start_sum}, or other modules): refusing to resume inside DPO")
-        checkpoint.check_order(path, meta, dpo.PairOrder(len(obj.order.ex), obj.order.n, cfg.data_seed),
+            raise checkpoint.CheckpointError(f"{path}: DPO was checkpointed from another adapter "
+                                             f"than the one this run reaches before DPO (adapter "
+                                             f"{meta.get('start_adapter')} vs {start_sum}, or "
+                                             f"other modules): refusing to resume inside DPO")
+        checkpoint.check_order(path, meta,
+                               dpo.PairOrder(len(obj.order.ex), obj.order.n, cfg.data_seed),
                                f"data_seed {cfg.data_seed}, {obj.order.n} pairs per step")
         for p, a in zip(r.params, params):
             p.assign(vkdsl.tensor(a))
@@ -33,13 +35,14 @@ def _dpo_loop(r, obj, opt, stop_after=None):
         obj.order.set_state(meta["sampler"])
         step = meta["step"]
         r.r.say(f"resumed DPO from {path} at DPO step {step}")
-    identity = {**r.identity, "start_adapter": start_sum, "sft_final": r.final.json() if r.final else None,
-                "first_loss": r.first_loss}
+    identity = {**r.identity, "start_adapter": start_sum,
+                "sft_final": r.final.json() if r.final else None, "first_loss": r.first_loss}
 
     def save(at):
-        checkpoint.save(r.dir, at, r.names, [p.numpy() for p in r.params], opt.state(), obj.order.state(), identity,
-                        name=checkpoint.DPO)
-    step, finished = loop.train(obj, r.params, opt, r.group, step, save, cfg.checkpoint_every, (), stop_after,
+        checkpoint.save(r.dir, at, r.names, [p.numpy() for p in r.params], opt.state(),
+                        obj.order.state(), identity, name=checkpoint.DPO)
+    step, finished = loop.train(obj, r.params, opt, r.group, step, save, cfg.checkpoint_every, (),
+                                stop_after,
                                 lambda: checkpoint.saved_step(r.dir, checkpoint.DPO) or "none")
     if not finished:
         raise loop.Interrupted(f"DPO stopped after step {step} (stop_after)")
@@ -53,23 +56,28 @@ def dpo_stage(r, stop_after=None):
     cfg, rep = r.cfg, r.r
     enc = (cfg.chat_template, cfg.max_len, cfg.truncation_side)
     pairs, same = dpo.load_pairs(cfg.dpo_train_file, r.tok, *enc)
-    held, same_h = dpo.load_pairs(cfg.dpo_heldout_file, r.tok, *enc) if cfg.dpo_heldout_file else ([], 0)
+    held, same_h = (dpo.load_pairs(cfg.dpo_heldout_file, r.tok, *enc) if cfg.dpo_heldout_file
+                    else ([], 0))
     if same or same_h:
-        rep.say(f"warning: {same + same_h} preference pair(s) have identical chosen and rejected responses; "
-                f"skipped")
-    reference = cfg.reference if cfg.reference != "auto" else ("sft" if cfg.objective == "sft+dpo" else "base")
-    rep.say(f"DPO: {len(pairs)} training pairs, {len(held)} held-out pairs, beta {cfg.dpo_beta}, reference = "
-            f"{ {'sft': 'the SFT adapter, frozen', 'base': 'the base (adapter off)', 'none': 'none (control)'}[reference]}")
+        rep.say(f"warning: {same + same_h} preference pair(s) have identical chosen and rejected "
+                f"responses; skipped")
+    reference = (cfg.reference if cfg.reference != "auto"
+                 else ("sft" if cfg.objective == "sft+dpo" else "base"))
+    said = {"sft": "the SFT adapter, frozen", "base": "the base (adapter off)",
+            "none": "none (control)"}[reference]
+    rep.say(f"DPO: {len(pairs)} training pairs, {len(held)} held-out pairs, beta {cfg.dpo_beta}, "
+            f"reference = {said}")
     base = getattr(r, "base", None)
 
     def event(kind, **rec):
         rep.event(kind, **rec)
         r.records.append(kind, **{**rec, "step": cfg.steps + rec.get("step", 0)})
     t0 = time.perf_counter()
-    history, ev = dpo.train_dpo(r.model, r.params, cfg, r.pad, pairs, held, r.dir, rep.say, event, reference, r.identity,
-                                r.prefix, r.group, lambda obj, opt: _dpo_loop(r, obj, opt, stop_after))
+    history, ev = dpo.train_dpo(r.model, r.params, cfg, r.pad, pairs, held, r.dir, rep.say, event,
+                                reference, r.identity, r.prefix, r.group,
+                                lambda obj, opt: _dpo_loop(r, obj, opt, stop_after))
     r.dpo_history = history
-    after = r.held.scores(adapters_on=True)          # every surface again, after DPO (one scoring pass)
+    after = r.held.scores(adapters_on=True)  # every surface again, after DPO (one scoring pass)
     surf = r.held.surfaces(after, adapters_on=True)
     ev.after = evidence.Evidence.of(after, surf, decision_agreement_with_sft=evidence.agreement(
         surf.decisions, r.final.decisions if r.final else []))
@@ -81,16 +89,18 @@ def dpo_stage(r, stop_after=None):
         e = getattr(ev, split)
         if e:
             rep.say(f"  {split}: pair accuracy {e.pair_accuracy:.3f} | improvement accuracy "
-                    f"{e.improvement_accuracy:.3f} | mean margin improvement {e.margin_improvement:+.3f} nats | "
-                    f"chosen drift {e.chosen_drift:+.3f} | rejected drift {e.rejected_drift:+.3f}")
+                    f"{e.improvement_accuracy:.3f} | mean margin improvement "
+                    f"{e.margin_improvement:+.3f} nats | chosen drift {e.chosen_drift:+.3f} | "
+                    f"rejected drift {e.rejected_drift:+.3f}")
     if ev.preservation_delta is not None:
         rep.say(f"  preservation change vs base: {ev.preservation_delta:+.4f} nats/token")
     rep.say("  " + dpo.margin_story(ev.heldout or ev.train))
     a = ev.after
     if a.heldout_acc is not None:
-        rep.say(f"  after DPO: held-out label accuracy {a.heldout_acc:.3f} Wilson 95% [{a.heldout_acc_ci[0]:.3f}, "
-                f"{a.heldout_acc_ci[1]:.3f}], ECE {a.calibration['ece']:.3f}, format {a.format_valid or 0:.3f}, "
-                f"worst slice {a.slices['worst']}"
+        rep.say(f"  after DPO: held-out label accuracy {a.heldout_acc:.3f} Wilson 95% "
+                f"[{a.heldout_acc_ci[0]:.3f}, {a.heldout_acc_ci[1]:.3f}], ECE "
+                f"{a.calibration['ece']:.3f}, format {a.format_valid or 0:.3f}, worst slice "
+                f"{a.slices['worst']}"
                 + (f", decisions equal to after SFT on {a.decision_agreement_with_sft:.3f}"
                    if a.decision_agreement_with_sft is not None else ""))
     r.records.append("dpo_evidence", step=cfg.steps + cfg.dpo_steps,
@@ -107,26 +117,38 @@ def export(r, dpo_ev=None):
     from vkdsl.runtime import default_device
     cfg = r.cfg
     dev = default_device().info
-    summary = {"objective": cfg.objective, "sft_steps": r.step, "dpo_steps": cfg.dpo_steps if "dpo" in cfg.objective
-               else 0, "final": r.final.json() if r.final else None, "gates": [g.record() for g in r.gates],
-               "dpo": dpo_ev.json() if dpo_ev else None}
+    summary = {"objective": cfg.objective, "sft_steps": r.step,
+               "dpo_steps": cfg.dpo_steps if "dpo" in cfg.objective
+               else 0, "final": r.final.json() if r.final else None,
+               "gates": [g.record() for g in r.gates], "dpo": dpo_ev.json() if dpo_ev else None}
     extra = {"data": {k: {"file": getattr(cfg, k), "sha256": file_sha256(getattr(cfg, k))}
-                      for k in ("train_file", "heldout_file", "preservation_file", "dpo_train_file", "dpo_heldout_file")
+                      for k in ("train_file", "heldout_file", "preservation_file", "dpo_train_file",
+                                "dpo_heldout_file")
                       if getattr(cfg, k)},
-             "rows": {"train": len(r.train), "heldout": len(r.heldout), "preservation": len(r.passages)},
+             "rows": {"train": len(r.train), "heldout": len(r.heldout),
+                      "preservation": len(r.passages)},
              "seeds": {"adapter": cfg.seed, "data": cfg.data_seed}, "objective": cfg.objective,
-             "hyper_parameters": {k: getattr(cfg, k) for k in ("lr", "steps", "tmkl", "dpo_beta", "dpo_lr", "dpo_steps",
-                                                                "dpo_nll_weight", "reference", "batch_size",
-                                                                "grad_accum", "clip", "weight_decay")},
+             "hyper_parameters": {k: getattr(cfg, k)
+                                  for k in ("lr", "steps", "tmkl", "dpo_beta", "dpo_lr",
+                                            "dpo_steps",
+                                            "dpo_nll_weight", "reference",
+                                            "batch_size",
+                                            "grad_accum", "clip",
+                                            "weight_decay")},
              "max_len": cfg.max_len, "truncation_side": cfg.truncation_side,
-             "masking": "loss on assistant/completion tokens incl. end-of-turn; prompt and padding = -100",
-             "device": f"{dev.name} ({dev.driver} {dev.driver_info})", "profile": dev.profile or None,
-             "vkdsl": vkdsl.__version__,
+             "masking": "loss on assistant/completion tokens incl. end-of-turn; prompt and "
+                        "padding = -100",
+             "device": f"{dev.name} ({dev.driver} {dev.driver_info})",
+             "profile": dev.profile or None, "vkdsl": vkdsl.__version__,
              "processes": {"ranks": r.group.size, "devices": r.devices
-                           or [f"rank 0: [{dev.index}] {dev.name} ({dev.driver} {dev.driver_info})"]},
+                           or [f"rank 0: [{dev.index}] {dev.name} ({dev.driver} "
+                               f"{dev.driver_info})"]},
              "final_metrics": summary["final"], "gates": summary["gates"]}
-    save_adapter_bundle(r.model, r.dir, model_path=r.model_path, tokenizer=r.tok, r=cfg.rank, alpha=cfg.alpha,
-                        rslora=cfg.rslora, base_name=str(r.model_path).rsplit("/", 1)[-1], extra=extra)
-    checkpoint.atomic_write(r.dir / "summary.json", json.dumps(summary, indent=1, default=str).encode())
-    r.r.say(f"adapter: {r.dir / 'adapter'} (PEFT) and {r.dir / 'adapter.gguf'} (llama.cpp --lora), with manifest")
+    save_adapter_bundle(r.model, r.dir, model_path=r.model_path, tokenizer=r.tok, r=cfg.rank,
+                        alpha=cfg.alpha, rslora=cfg.rslora,
+                        base_name=str(r.model_path).rsplit("/", 1)[-1], extra=extra)
+    checkpoint.atomic_write(r.dir / "summary.json",
+                            json.dumps(summary, indent=1, default=str).encode())
+    r.r.say(f"adapter: {r.dir / 'adapter'} (PEFT) and {r.dir / 'adapter.gguf'} (llama.cpp --lora), "
+            f"with manifest")
     r.r.say(f"report: {build_report(r.dir)}")

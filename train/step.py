@@ -25,15 +25,18 @@ from .distributed import my_share, sum_over_ranks
 from .packing import Packing
 from .prefix import FrozenPrefix
 
-STORAGE = {"fp32": "float32", "fp16": "float16"}     # TrainConfig.activations -> the kept values' dtype
+# TrainConfig.activations -> the kept values' dtype
+STORAGE = {"fp32": "float32", "fp16": "float16"}
 
 
 def kept_dtype(activations: str) -> str:
-    """The dtype the backward keeps activations in; fp16 on a device without 16-bit storage is refused."""
+    """The dtype the backward keeps activations in; fp16 on a device without 16-bit storage is
+    refused."""
     dev = default_device()
     if activations == "fp16" and not dev.limits.storage16:
-        raise ValueError(f"activations = fp16 needs 16-bit storage (storageBuffer16BitAccess), which "
-                         f"{dev.info.name} lacks: use activations = fp32")
+        raise ValueError(f"activations = fp16 needs 16-bit storage "
+                         f"(storageBuffer16BitAccess), which {dev.info.name} lacks: use "
+                         f"activations = fp32")
     return STORAGE[activations]
 
 
@@ -56,8 +59,8 @@ def selected_hidden(model, ids, pos, adapters_on, start=0, packing=(), checkpoin
     recomputed group in the backward (Llama.forward; 0: every activation kept)."""
     B, T = ids.shape[:2]
     pk = dict(zip(("positions", "spans"), packing))
-    h = model.forward(ids, adapters_on=adapters_on, hidden_only=True, start=start, checkpoint=checkpoint,
-                      **pk)                                                                 # (B, T, dim)
+    h = model.forward(ids, adapters_on=adapters_on, hidden_only=True, start=start,
+                      checkpoint=checkpoint, **pk)  # (B, T, dim)
     return h.reshape(B * T, model.cfg.dim).gather(pos)
 
 
@@ -74,7 +77,8 @@ def head_rows(model, h, fn, *row_inputs, differentiable=True):
         rows = lambda hc, *xs: fn(model.head(hc), *xs)          # noqa: E731
         part = rowwise(rows, h[s:s + n], *xs) if differentiable else rows(h[s:s + n], *xs)
         outs.append(part if isinstance(part, tuple) else (part,))
-    return [o[0] if len(outs) == 1 else _cat([p[i] for p in outs]) for i, o in enumerate(zip(*outs))]
+    return [o[0] if len(outs) == 1 else _cat([p[i] for p in outs])
+            for i, o in enumerate(zip(*outs))]
 
 
 def split_rows(a: np.ndarray, n: int) -> list:
@@ -92,22 +96,24 @@ def _cat(parts):
     return out
 
 
-def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0, packed: bool = False,
-                  checkpoint: int = 0, keep: int = 0, activations: str = "fp32"):
-    """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, positions (B,T), spans (B,T,2)] [, base
-    logits (S,V) as split_rows' chunks]) -> (ce_sum, kl_sum, *grads). base_input: the base model's
-    logits come in (cached) instead of a base forward. start > 0: ids is the frozen prefix's output
-    (train.prefix). packed: rows share sequences (train.packing): their positions and row spans
-    come in too. checkpoint: layers per recomputed group (0: keep every activation). keep: programs
-    held at once (vkdsl.trace; 0: one per shape seen). activations: fp32, or fp16 storage of what
-    the backward keeps (vkdsl.autograd.saved_activations)."""
+def build_grad_fn(model, params, lam: float, base_input: bool = False, start: int = 0,
+                  packed: bool = False, checkpoint: int = 0, keep: int = 0,
+                  activations: str = "fp32"):
+    """Traced (ids (B,T), pos (S,), labels (S,), inv_n (1,) [, positions (B,T), spans (B,T,2)] [,
+    base logits (S,V) as split_rows' chunks]) -> (ce_sum, kl_sum, *grads). base_input: the base
+    model's logits come in (cached) instead of a base forward. start > 0: ids is the frozen prefix's
+    output (train.prefix). packed: rows share sequences (train.packing): their positions and row
+    spans come in too. checkpoint: layers per recomputed group (0: keep every activation). keep:
+    programs held at once (vkdsl.trace; 0: one per shape seen). activations: fp32, or fp16 storage
+    of what the backward keeps (vkdsl.autograd.saved_activations)."""
     kept = kept_dtype(activations)
 
     def rows(lg, labels, *base):
         ce = -losses.token_logprobs(lg, labels)[0]
         if not base:
             return ce, ce
-        base_lg = base[0] if base_input else model.head(base[0])     # cached logits, or the base's hidden rows
+        # cached logits, or the base's hidden rows
+        base_lg = base[0] if base_input else model.head(base[0])
         kl = losses.tmkl_rows(lg, base_lg, labels)
         return ce + kl * lam, ce, kl
 
@@ -196,7 +202,8 @@ class HostAdamW:
         return out
 
     def state(self):
-        return {"t": self.t, **{f"m{i}": m for i, m in enumerate(self.m)}, **{f"v{i}": v for i, v in enumerate(self.v)}}
+        return {"t": self.t, **{f"m{i}": m for i, m in enumerate(self.m)},
+                **{f"v{i}": v for i, v in enumerate(self.v)}}
 
     def load(self, st):
         self.t = int(st["t"])
@@ -213,7 +220,8 @@ def clip(gs, max_norm):
 
 
 def apply(params, opt, gs, lr, max_norm) -> float:
-    """The update of every stage (train.loop): clip -> AdamW (host, float32) -> write back into the same device buffers; returns |g|."""
+    """The update of every stage (train.loop): clip -> AdamW (host, float32) -> write back into the
+    same device buffers; returns |g|."""
     gs, norm = clip(gs, max_norm)
     new = opt.update([p.numpy() for p in params], gs, lr)
     for p, a in zip(params, new):
@@ -232,27 +240,30 @@ class Stepper:
         budget = getattr(cfg, "tmkl_cache_bytes", 0)
         self.base_cache = None
         if cfg.tmkl > 0 and budget > 0:
-            self.base_cache = base_cache if base_cache is not None else BaseLogitCache(model, budget, prefix.start)
+            self.base_cache = (base_cache if base_cache is not None
+                               else BaseLogitCache(model, budget, prefix.start))
         # window mode: every micro-batch is batch_size windows and head_rows head rows (a bound from
-        # the data, set by the run), so one program serves every step and is planned exactly (memplan)
+        # the data, set by the run), so one program serves every step and is planned exactly
+        # (memplan)
         self.window = getattr(cfg, "window", 0)
-        self.head_rows = 0          # window mode: supervised positions of the largest micro-batch (memplan)
+        self.head_rows = 0  # window mode: supervised positions of the largest micro-batch (memplan)
         if self.window:
-            self.base_cache = None              # TMKL's base forward runs in the step, on the windows
-        build = lambda packed: build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None,  # noqa: E731
-                                             start=prefix.start, packed=packed,
-                                             checkpoint=getattr(cfg, "checkpoint_layers", 0),
-                                             activations=getattr(cfg, "activations", "fp32"),
-                                             keep=2 if self.window else 0)
+            self.base_cache = None  # TMKL's base forward runs in the step, on the windows
+        def build(packed):
+            return build_grad_fn(model, params, cfg.tmkl, base_input=self.base_cache is not None,
+                                 start=prefix.start, packed=packed,
+                                 checkpoint=getattr(cfg, "checkpoint_layers", 0),
+                                 activations=getattr(cfg, "activations", "fp32"),
+                                 keep=2 if self.window else 0)
         self.fn, self.fn_packed = build(False), build(True)
         self.pack = bool(getattr(cfg, "pack", False))
         self.opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
 
     def grads(self, micro, n_total):
-        """micro: list of (ids, labels[, lengths]) numpy; n_total supervised tokens over all of them.
-        With lengths (real tokens per row) and cfg.pack, rows are packed (train.packing) into sequences of
-        cfg.window tokens, or of the micro-batch's length.
-        -> (summed grads, ce_sum, kl_sum, {"computed": positions, "micro": n, "packed": n packed})."""
+        """micro: list of (ids, labels[, lengths]) numpy; n_total supervised tokens over all of
+        them. With lengths (real tokens per row) and cfg.pack, rows are packed (train.packing) into
+        sequences of cfg.window tokens, or of the micro-batch's length. -> (summed grads, ce_sum,
+        kl_sum, {"computed": positions, "micro": n, "packed": n packed})."""
         acc, ce, kl = None, 0.0, 0.0
         count = {"computed": 0, "micro": len(micro), "packed": 0}
         inv = np.array([1.0 / n_total], np.float32)
@@ -313,8 +324,8 @@ class Stepper:
         if n_total == 0:
             raise ValueError("an optimizer step with no supervised token")
         share = micro if group is None else my_share(micro, group)
-        gs, ce, kl, count = self.grads(share, n_total) if share else (None, 0.0, 0.0, {"computed": 0, "micro": 0,
-                                                                                          "packed": 0})
+        nothing = (None, 0.0, 0.0, {"computed": 0, "micro": 0, "packed": 0})
+        gs, ce, kl, count = self.grads(share, n_total) if share else nothing
         gs = gs if gs is not None else [np.zeros(p.shape, np.float32) for p in self.params]
         extra = {}
         if rehearsal is not None and rehearsal[1] > 0:

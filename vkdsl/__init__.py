@@ -12,4 +12,5 @@ def tensor(a, requires_grad=False, name=None) -> Tensor:
     return Tensor.from_numpy(a, requires_grad=requires_grad, name=name)
 
 
-__all__ = ["Tensor", "tensor", "trace", "open_device", "list_devices", "ShapeError", "matmul_precision"]
+__all__ = ["Tensor", "tensor", "trace", "open_device", "list_devices", "ShapeError",
+           "matmul_precision"]

@@ -23,7 +23,8 @@ def _unexpand(g: Tensor, shape) -> Tensor:
     if g.shape == tuple(shape):
         return g
     lead = g.ndim - len(shape)
-    axes = list(range(lead)) + [lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1]
+    axes = (list(range(lead))
+            + [lead + i for i, s in enumerate(shape) if s == 1 and g.shape[lead + i] != 1])
     return g.sum(axis=axes, keepdim=True).reshape(shape) if axes else g.reshape(shape)
 
 
@@ -90,7 +91,7 @@ GRADIENTS = {
     "cmpeq": lambda o, g, a, b: (None, None),
     "where": lambda o, g, c, x, y: (None, c.where(g, 0.0), c.where(0.0, g)),
     "contiguous": lambda o, g, a: (g,),
-    "cast": lambda o, g, a: (g,),                 # rounding to fp16 passes the gradient straight through
+    "cast": lambda o, g, a: (g,),  # rounding to fp16 passes the gradient straight through
     "reshape": lambda o, g, a: (g.reshape(a.shape),),
     "permute": lambda o, g, a: (g.permute(_inverse(o.arg)),),
     "expand": lambda o, g, a: (_unexpand(g, a.shape),),
@@ -121,9 +122,11 @@ def saved_activations(dtype: str):
         _SAVED.reset(token)
 
 
-# rules whose reads of the forward go through the stash (sources, and the output where the rule reads
+# rules whose reads of the forward go through the stash (sources, and the output where the rule
+# reads
 # its value); the others (comparisons, max, where) would compare an fp16 copy with an fp32 value
-_READS_SOURCES = frozenset({"mul", "div", "matmul", "exp", "log", "sqrt", "rsqrt", "tanh", "recip", "sin", "cos"})
+_READS_SOURCES = frozenset({"mul", "div", "matmul", "exp", "log", "sqrt", "rsqrt", "tanh", "recip",
+                            "sin", "cos"})
 _READS_OUTPUT = _READS_SOURCES - {"matmul", "mul", "log", "sin", "cos"}
 
 
@@ -146,7 +149,8 @@ class _Kept:
         if b.op in ("buffer", "input") or id(b) not in self.stored:
             return s
         if id(s) not in self.copies:
-            stash = Tensor("cast", (s,), "stash", shape=s.shape, dtype="float16", requires_grad=s.requires_grad)
+            stash = Tensor("cast", (s,), "stash", shape=s.shape, dtype="float16",
+                           requires_grad=s.requires_grad)
             self.copies[id(s)] = stash.float()
         return self.copies[id(s)]
 
@@ -185,9 +189,10 @@ def rowwise(fn, x: Tensor, *consts: Tensor):
     if x.requires_grad:
         with saved_activations("float32"):          # J is computed with y: nothing is kept
             J = grad(y.sum(), [x], local=True)[0]
-        # J, y and the report rows wait for one another: whichever a program reads first (the backward
-        # J, or a loss to report), all are computed together and fn's intermediates (a chunk's logits)
-        # die there, not held until a later reader
+        # J, y and the report rows wait for one another: whichever a program reads first (the
+        # backward
+        # J, or a loss to report), all are computed together and fn's intermediates (a chunk's
+        # logits) die there, not held until a later reader
         Jw = custom(_After(), [J, y, *aux], J.shape, requires_grad=False)
         y = with_gradient(custom(_After(), [y, J], y.shape), (x,),
                           lambda g, x: (g.reshape(-1, *(1,) * (x.ndim - 1)) * Jw,))
@@ -208,8 +213,8 @@ def checkpoint(fn, x: Tensor, params=()):
 
     def rule(g, x, *ps):
         xr = custom(_After(), [x, g], x.shape, requires_grad=x.requires_grad)
-        grads = iter(grad(fn(xr), [xr] * x.requires_grad + [p for p in ps if p.requires_grad], upstream=g,
-                          local=True))
+        grads = iter(grad(fn(xr), [xr] * x.requires_grad + [p for p in ps if p.requires_grad],
+                          upstream=g, local=True))
         return tuple(next(grads) if s.requires_grad else None for s in (x, *ps))
     return with_gradient(y, (x, *params), rule)
 
@@ -240,7 +245,8 @@ def grad(loss: Tensor, params, upstream: Tensor | None = None, local: bool = Fal
     local: do not walk below the params (a custom op's backward asking about its own inputs,
     which are independent of one another; the outer grad carries on from there)."""
     if upstream is None and loss.size != 1:
-        raise ValueError(f"grad needs a scalar loss (or an upstream gradient), got shape {loss.shape}")
+        raise ValueError(f"grad needs a scalar loss (or an upstream gradient), got shape "
+                         f"{loss.shape}")
     for p in params:
         if not p.requires_grad:
             raise ValueError(f"grad: {p} does not require a gradient (frozen tensors get none)")
@@ -252,8 +258,9 @@ def grad(loss: Tensor, params, upstream: Tensor | None = None, local: bool = Fal
         if g is not None and id(t) in wanted:
             found[id(t)] = g            # params may be inner nodes too (a custom op's inputs)
         elif g is not None and t.op == "buffer" and t.arg == "realized":
-            raise ValueError(f"grad: {t} on the way from the loss to the parameters was read (numpy()) before "
-                             f"grad, which drops the graph below it; take the gradients first")
+            raise ValueError(f"grad: {t} on the way from the loss to the parameters was read "
+                             f"(numpy()) before grad, which drops the graph below it; take the "
+                             f"gradients first")
         if g is None or not _sources(t) or (local and id(t) in wanted):
             continue
         if t.backward is not None:
@@ -266,12 +273,14 @@ def grad(loss: Tensor, params, upstream: Tensor | None = None, local: bool = Fal
             if rule is None:
                 raise NotImplementedError(f"no gradient rule for op {t.op}")
             out = kept(t) if t.op in _READS_OUTPUT else t
-            pairs = zip(t.src, rule(out, g, *(map(kept, t.src) if t.op in _READS_SOURCES else t.src)))
+            pairs = zip(t.src, rule(out, g, *(map(kept, t.src) if t.op in _READS_SOURCES
+                                              else t.src)))
         for s, gs in pairs:
             if gs is None or not s.requires_grad:
                 continue
             if gs.shape != s.shape:
-                raise RuntimeError(f"internal: gradient rule for {t.op} gave {gs.shape} for a {s.shape} source")
+                raise RuntimeError(f"internal: gradient rule for {t.op} gave {gs.shape} for a "
+                                   f"{s.shape} source")
             grads[id(s)] = grads[id(s)] + gs if id(s) in grads else gs
     return [found.get(id(p), Tensor.zeros(p.shape)) for p in params]
 

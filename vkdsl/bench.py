@@ -41,7 +41,9 @@ def bench_matmul(sizes=(256, 512, 1024, 2048), precision="fp32"):
         dev_t = best_of(prog.recording.submit_wait, reps=3 if n >= 2048 else 5)
         np_t = best_of(lambda: a @ b, reps=3 if n >= 2048 else 5)
         flops = 2.0 * n ** 3
-        rows.append({"size": n, "precision": precision, "kernel": plan_matmul(prog.recording.device, M=n, N=n, K=n, precision=precision).name,
+        rows.append({"size": n, "precision": precision,
+                     "kernel": plan_matmul(prog.recording.device, M=n, N=n, K=n,
+                                           precision=precision).name,
                      "device_gflops": flops / dev_t / 1e9, "numpy_gflops": flops / np_t / 1e9,
                      "ratio": np_t / dev_t, "device_ms": dev_t * 1e3, "numpy_ms": np_t * 1e3})
         prog.release()
@@ -74,7 +76,8 @@ def bench_replay(n_dispatches: int = 1000, size: int = 256):
     raw_t = best_of(rec.submit_wait, reps=10)
     rec.release()
     return {"dispatches": len(prog.steps), "replay_us": replay_t * 1e6, "raw_us": raw_t * 1e6,
-            "ratio": replay_t / raw_t, "per_dispatch_us": raw_t / len(prog.steps) * 1e6, "max_abs_error": err}
+            "ratio": replay_t / raw_t, "per_dispatch_us": raw_t / len(prog.steps) * 1e6,
+            "max_abs_error": err}
 
 
 def step_flops(step) -> int:

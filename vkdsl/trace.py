@@ -27,7 +27,8 @@ def _flatten(out):
         return [out[k] for k in keys], lambda xs: dict(zip(keys, xs))
     if out is None:
         return [], lambda xs: None
-    raise TypeError(f"a traced function must return tensors (or a tuple/list/dict of them), got {type(out)}")
+    raise TypeError(f"a traced function must return tensors (or a tuple/list/dict of them), got "
+                    f"{type(out)}")
 
 
 # programs built by every Traced in this process, and the seconds spent building them (trace,
@@ -58,14 +59,16 @@ class Traced:
             while self.keep and len(self.programs) >= self.keep:
                 self.programs.pop(next(iter(self.programs)))[0].release()
             t0 = time.perf_counter()
-            holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype]) for i, a in enumerate(arrays)]
+            holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype])
+                       for i, a in enumerate(arrays)]
             with capturing() as cap:
                 out = self.fn(*holders)
             outs, rebuild = _flatten(out)
             for o in outs:
                 if not isinstance(o, Tensor):
                     raise TypeError(f"traced function returned {type(o)}, expected Tensor")
-            prog = Program(outs, holders, cap.assigns, device=self.device, label=getattr(self.fn, "__name__", "trace"),
+            prog = Program(outs, holders, cap.assigns, device=self.device,
+                           label=getattr(self.fn, "__name__", "trace"),
                            guard_bytes=self.guard_bytes)
             self.programs[key] = (prog, rebuild, cap.guards)
             BUILT["programs"] += 1
@@ -79,7 +82,8 @@ class Traced:
         of a device without unified memory, and their total (a driver may round each allocation up
         to its alignment)."""
         arrays = [_as_input(a, i) for i, a in enumerate(arrays)]
-        holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype]) for i, a in enumerate(arrays)]
+        holders = [Tensor("input", arg=i, shape=a.shape, dtype=DTYPES[a.dtype])
+                   for i, a in enumerate(arrays)]
         with capturing() as cap:
             outs, _ = _flatten(self.fn(*holders))
         steps, _ = schedule(outs, cap.assigns)

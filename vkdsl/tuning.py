@@ -31,15 +31,16 @@ _files: dict[str, dict] = {}             # path -> entries (read once per proces
 def identity(dev) -> dict:
     """What a tuning is valid for: the device and its driver build."""
     i = dev.info
-    return {"device": i.name, "driver": i.driver, "driver_info": i.driver_info, "api": i.api_version,
-            "profile": i.profile}
+    return {"device": i.name, "driver": i.driver, "driver_info": i.driver_info,
+            "api": i.api_version, "profile": i.profile}
 
 
 def path(dev) -> str:
     from .compiler.cache import cache_dir
     ident = json.dumps(identity(dev), sort_keys=True)
     slug = "".join(c if c.isalnum() else "-" for c in dev.info.name)[:40]
-    return os.path.join(cache_dir(), "tuning", f"{slug}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
+    return os.path.join(cache_dir(), "tuning",
+                        f"{slug}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
 
 
 def shape_class(op: str, form: str, M: int, N: int, K: int) -> str:
@@ -58,7 +59,8 @@ def _check(data, dev) -> dict:
     if not isinstance(entries, dict):
         raise ValueError("'entries' is not an object")
     for k, e in entries.items():
-        if not (isinstance(e, dict) and isinstance(e.get("tile"), list) and tuple(e["tile"]) in TILES):
+        if not (isinstance(e, dict) and isinstance(e.get("tile"), list)
+                and tuple(e["tile"]) in TILES):
             raise ValueError(f"entries[{k!r}] has no tile among {list(TILES)}")
     return entries
 
@@ -74,14 +76,15 @@ def entries(dev) -> dict:
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as e:
-            print(f"vkdsl: ignoring the tuning file {p} ({str(e)[:160]}); defaults until `vkdsl tune` "
-                  f"measures again", file=sys.stderr)
+            print(f"vkdsl: ignoring the tuning file {p} ({str(e)[:160]}); defaults until "
+                  f"`vkdsl tune` measures again", file=sys.stderr)
     return _files[p]
 
 
 def tile(dev, op: str, form: str, M: int, N: int, K: int, fits=lambda t: True) -> tuple[int, int]:
     """(rows, columns) per invocation for this op and shape on this device: tuned (when the kernel
-    can take that tile: fits), else the default. $VKDSL_TUNE_RECORD=FILE lists the shapes asked for."""
+    can take that tile: fits), else the default. $VKDSL_TUNE_RECORD=FILE lists the shapes asked
+    for."""
     record = os.environ.get("VKDSL_TUNE_RECORD")
     if record:
         _record(record, op, form, M, N, K)

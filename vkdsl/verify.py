@@ -46,21 +46,24 @@ def register(op: str, build, limit: float, reason: str, unsupported=None):
 _EXACT = (1e-12, "IEEE fp32 basic arithmetic is correctly rounded: NMSE ~ eps32^2 = 1.4e-14")
 _TRANSC = (1e-9, "Vulkan allows exp/log 3+2|x| ulp and inherited-precision tanh/rsqrt: "
                  "~1e2 ulp at |x|=40 -> NMSE ~ (1e2*6e-8)^2 = 4e-11, with margin")
-_ACCUM = (1e-8, "fp32 accumulation over n terms: relative error ~ sqrt(n)*eps32 on well-conditioned "
-                "data; n <= 4097 -> NMSE ~ n*eps^2 = 6e-11, margin for cancellation")
+_ACCUM = (1e-8, "fp32 accumulation over n terms: relative error ~ sqrt(n)*eps32 on "
+                "well-conditioned data; n <= 4097 -> NMSE ~ n*eps^2 = 6e-11, margin for "
+                "cancellation")
 for _op in ("neg",):
     register(_op, lambda i, p: -i[0], 0.0, "negation is exact")
-for _op, _fn in (("exp", Tensor.exp), ("log", Tensor.log), ("sqrt", Tensor.sqrt), ("rsqrt", Tensor.rsqrt),
-                 ("tanh", Tensor.tanh)):
+for _op, _fn in (("exp", Tensor.exp), ("log", Tensor.log), ("sqrt", Tensor.sqrt),
+                 ("rsqrt", Tensor.rsqrt), ("tanh", Tensor.tanh)):
     register(_op, (lambda f: lambda i, p: f(i[0]))(_fn), *_TRANSC)
 for _op, _fn in (("add", Tensor.__add__), ("sub", Tensor.__sub__), ("mul", Tensor.__mul__),
-                 ("div", Tensor.__truediv__), ("maximum", Tensor.maximum), ("cmplt", Tensor.__lt__)):
+                 ("div", Tensor.__truediv__), ("maximum", Tensor.maximum),
+                 ("cmplt", Tensor.__lt__)):
     register(_op, (lambda f: lambda i, p: f(i[0], i[1]))(_fn), *_EXACT)
 register("where", lambda i, p: i[0].where(i[1], i[2]), 0.0, "selection copies values exactly")
 register("sum", lambda i, p: i[0].sum(axis=p["axis"]), *_ACCUM)
 register("mean", lambda i, p: i[0].mean(axis=p["axis"]), *_ACCUM)
 register("max", lambda i, p: i[0].max(axis=p["axis"]), 0.0, "max selects an input value exactly")
-register("permute", lambda i, p: i[0].permute(p["axes"]), 0.0, "a permutation copies values exactly")
+register("permute", lambda i, p: i[0].permute(p["axes"]), 0.0,
+         "a permutation copies values exactly")
 register("gather", lambda i, p: i[0].gather(i[1]), 0.0, "a row gather copies values exactly")
 register("fused_chain", lambda i, p: (i[0] * i[1] + i[2]).tanh() - (-i[0]).exp(), *_TRANSC)
 
@@ -98,7 +101,8 @@ def _matmul_fp16(i, p):
 
 
 def fp16_unsupported(dev) -> str:
-    """Why this device runs no precision-fp16 matmul ('' when it does): the fp16 rows' applicability."""
+    """Why this device runs no precision-fp16 matmul ('' when it does): the fp16 rows'
+    applicability."""
     return "" if fp16_variants(dev) else "no shaderFloat16 or cooperative matrices"
 
 
@@ -107,12 +111,14 @@ def storage16_unsupported(dev) -> str:
 
 
 register("half", lambda i, p: i[0].half(), 0.0,
-         "fp32 -> fp16 is correctly rounded (to nearest even, overflow to inf, NaN kept): exact", storage16_unsupported)
+         "fp32 -> fp16 is correctly rounded (to nearest even, overflow to inf, NaN kept): exact",
+         storage16_unsupported)
 register("matmul_f16in", _matmul_fp16, 1e-8,
-         "precision fp16 against the golden of the inputs rounded to fp16 (round to nearest even, as "
-         "Vulkan converts): products of two fp16 values are exact in fp32, sums are fp32 as in matmul: "
-         "NMSE ~ n*eps32^2; a kernel that kept fp32 inputs is off by ~u^2/3 per operand (u = 2^-11): "
-         "4.8e-8 to 1.25e-7 on these rows; one that summed in fp16 by far more", fp16_unsupported)
+         "precision fp16 against the golden of the inputs rounded to fp16 (round to nearest "
+         "even, as Vulkan converts): products of two fp16 values are exact in fp32, sums are fp32 "
+         "as in matmul: NMSE ~ n*eps32^2; a kernel that kept fp32 inputs is off by ~u^2/3 per "
+         "operand (u = 2^-11): 4.8e-8 to 1.25e-7 on these rows; one that summed in fp16 "
+         "by far more", fp16_unsupported)
 
 
 # ---- running ---------------------------------------------------------------------------------
@@ -124,7 +130,8 @@ def compare(y: np.ndarray, ref: np.ndarray) -> tuple[float, str]:
     ref = ref.astype(np.float64)          # integer goldens (codes) must not wrap when squared
     y64, fin = y.astype(np.float64), np.isfinite(ref)
     if not np.isfinite(y64[fin]).all():
-        return float("inf"), f"{int((~np.isfinite(y64[fin])).sum())} NaN/Inf where the reference is finite"
+        return (float("inf"),
+                f"{int((~np.isfinite(y64[fin])).sum())} NaN/Inf where the reference is finite")
     nf = ~fin
     if nf.any():
         same = (np.isnan(ref[nf]) & np.isnan(y64[nf])) | (ref[nf] == y64[nf])
@@ -197,6 +204,8 @@ class Row:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Row":
-        """as_dict's inverse: a null error is +inf on a row that ran and failed, NaN on one not run."""
-        err = d["error"] if d["error"] is not None else (math.inf if d.get("applicable", True) else math.nan)
+        """as_dict's inverse: a null error is +inf on a row that ran and failed, NaN on one not
+        run."""
+        err = (d["error"] if d["error"] is not None
+               else (math.inf if d.get("applicable", True) else math.nan))
         return cls(**{**d, "error": err})

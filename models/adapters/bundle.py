@@ -58,8 +58,8 @@ def load_adapter(model, path, tokenizer=None, force: bool = False, model_path=No
     aw = read_adapter(path, model.cfg)
     base = model_path if model_path is not None else model.source
     if aw.manifest is not None and base is not None:
-        check_manifest(aw.manifest, base, tokenizer, force=force, source=aw.manifest_path or aw.source,
-                       more=adapter_mismatches(aw))
+        check_manifest(aw.manifest, base, tokenizer, force=force,
+                       source=aw.manifest_path or aw.source, more=adapter_mismatches(aw))
     lora = {}
     for name, (A, B, s) in aw.modules.items():
         lora[name] = LoRA(vkdsl.tensor(A, requires_grad=trainable, name=f"{name}.lora_A"),
@@ -77,8 +77,9 @@ def save_adapter_bundle(model, run_dir, *, model_path, tokenizer, r: int | None 
     Returns {"peft": folder, "gguf": file or None, "manifest": dict}."""
     arrays = model_adapter_arrays(model)
     r, alpha, rslora = infer_hparams(arrays, r, alpha, rslora)
-    man = build_manifest(model_path, tokenizer, target_modules=sorted({n.split(".")[2] for n in arrays}),
-                         r=r, alpha=alpha, rslora=rslora, extra=extra)
+    man = build_manifest(model_path, tokenizer,
+                         target_modules=sorted({n.split(".")[2] for n in arrays}), r=r, alpha=alpha,
+                         rslora=rslora, extra=extra)
     run_dir = Path(run_dir)
     folder = peft.save(model, run_dir / "adapter", r=r, alpha=alpha, rslora=rslora,
                      base_name=base_name or Path(model_path).name, manifest=man)

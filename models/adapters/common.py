@@ -25,7 +25,8 @@ class AdapterWeights:
     manifest: dict | None = None
     manifest_path: Path | None = None
     config: dict = field(default_factory=dict)
-    weights_sha256: str | None = None  # PEFT: the weight file's; GGUF: its tensors' (tensors_sha256)
+    # PEFT: the weight file's; GGUF: its tensors' (tensors_sha256)
+    weights_sha256: str | None = None
 
     @property
     def target_modules(self) -> list[str]:
@@ -58,7 +59,8 @@ def file_rows(cfg, module: str, rows: np.ndarray, fmt: str, to_file: bool) -> np
     rows, not Qwen's). Other modules' rows pass through."""
     from ..safetensors_loader import gguf_to_hf_rows, hf_to_gguf_rows
     if cfg.arch == "qwen35":
-        return _value_heads(cfg, module, rows, 0, fmt, to_file) if module.split(".")[-1] != "ssm_out" else rows
+        return (_value_heads(cfg, module, rows, 0, fmt, to_file)
+                if module.split(".")[-1] != "ssm_out" else rows)
     h = heads(cfg, module)
     if h is None or (fmt == "gguf" and cfg.gguf_pairs):
         return rows
@@ -134,16 +136,18 @@ def adapter_mismatches(aw: AdapterWeights) -> list[str]:
         return []
     out, rec = [], m.get("adapter") or {}
     for key, got in (("r", aw.r), ("alpha", aw.alpha), ("rslora", aw.rslora)):
-        if key in rec and rec[key] != got and not (key == "alpha" and math.isclose(float(rec[key]), got)):
+        if (key in rec and rec[key] != got
+            and not (key == "alpha" and math.isclose(float(rec[key]), got))):
             out.append(f"adapter {key} is {got!r}, the manifest records {rec[key]!r}")
     if "target_modules" in rec and sorted(rec["target_modules"]) != aw.target_modules:
-        out.append(f"adapted modules are {aw.target_modules}, the manifest records {sorted(rec['target_modules'])}")
+        out.append(f"adapted modules are {aw.target_modules}, the manifest records "
+                   f"{sorted(rec['target_modules'])}")
     scales = {s for _, _, s in aw.modules.values()}
     if "scaling" in rec and any(not math.isclose(s, rec["scaling"], rel_tol=1e-6) for s in scales):
         out.append(f"scale is {sorted(scales)}, the manifest records {rec['scaling']}")
     want = m.get("weights_sha256")
     if want and aw.weights_sha256 != want:
-        out.append(f"the weights' sha256 is {str(aw.weights_sha256)[:16]}…, the manifest records {want[:16]}… "
-                   f"(changed after saving)")
+        out.append(f"the weights' sha256 is {str(aw.weights_sha256)[:16]}…, the manifest records "
+                   f"{want[:16]}… (changed after saving)")
     return out
 

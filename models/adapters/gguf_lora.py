@@ -1,11 +1,12 @@
 """GGUF LoRA adapters for llama.cpp `--lora` (as convert_lora_to_gguf.py writes them), both ways.
 
 general.type = adapter, adapter.type = lora, adapter.lora.alpha; `blk.{i}.attn_q.weight.lora_a`
-numpy (r, in) (GGUF dims [in, r]), `.lora_b` numpy (out, r) (dims [r, out]), rows in the base
-GGUF's order (llama.cpp applies adapters to the file's weights: Llama's Q/K rows permuted, Qwen's
-not); general.architecture is the base's (llama.cpp refuses an adapter of another). llama.cpp scales by alpha / r, so the
-alpha written is s * r (for rsLoRA that is alpha * sqrt(r)); the trainer's own alpha and rsLoRA
-flag are kept under vkdsl.lora.*. The manifest, when given, is embedded as vkdsl.manifest."""
+numpy (r, in) (GGUF dims [in, r]), `.lora_b` numpy (out, r) (dims [r, out]), rows in the base GGUF's
+order (llama.cpp applies adapters to the file's weights: Llama's Q/K rows permuted, Qwen's not);
+general.architecture is the base's (llama.cpp refuses an adapter of another). llama.cpp scales by
+alpha / r, so the alpha written is s * r (for rsLoRA that is alpha * sqrt(r)); the trainer's own
+alpha and rsLoRA flag are kept under vkdsl.lora.*. The manifest, when given, is embedded as
+vkdsl.manifest."""
 from __future__ import annotations
 
 import json
@@ -69,7 +70,8 @@ def read(path: Path, cfg) -> "common.AdapterWeights":
         return _read(path, cfg)
     except ModelFileError:
         raise
-    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:   # the gguf reader on damaged bytes
+    # the gguf reader on damaged bytes
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as e:
         raise ModelFileError(f"{path}: damaged GGUF adapter ({type(e).__name__}: {e})") from None
 
 
@@ -84,8 +86,8 @@ def _read(path: Path, cfg) -> "common.AdapterWeights":
         raise ModelFileError(f"{path}: not a GGUF LoRA adapter (general.type = "
                              f"{key('general.type')!r}, adapter.type = {key('adapter.type')!r})")
     if key("general.architecture") != cfg.gguf_arch:
-        raise ModelFileError(f"{path}: general.architecture is {key('general.architecture')!r}, but the model's "
-                             f"is {cfg.gguf_arch!r}")
+        raise ModelFileError(f"{path}: general.architecture is {key('general.architecture')!r}, "
+                             f"but the model's is {cfg.gguf_arch!r}")
     alpha_cpp = key("adapter.lora.alpha")
     if alpha_cpp is None:
         raise ModelFileError(f"{path}: missing key 'adapter.lora.alpha'")
@@ -130,8 +132,8 @@ def _read(path: Path, cfg) -> "common.AdapterWeights":
             manifest = json.loads(key("vkdsl.manifest"))
         except json.JSONDecodeError as e:
             raise ModelFileError(f"{path}: vkdsl.manifest is not valid JSON: {e}") from e
-    return common.AdapterWeights(modules, "gguf", path, r, alpha, rslora, weights_sha256=common.tensors_sha256(raw),
-                                 manifest=manifest,
+    return common.AdapterWeights(modules, "gguf", path, r, alpha, rslora,
+                                 weights_sha256=common.tensors_sha256(raw), manifest=manifest,
                           manifest_path=path if manifest is not None else None)
 
 

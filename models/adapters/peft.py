@@ -33,7 +33,8 @@ _FROM_HF = {v: k for k, v in HF_MODULE.items()}
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
-_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.((?:self_attn|mlp|linear_attn)\.\w+)"
+_PEFT_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\."
+                       r"((?:self_attn|mlp|linear_attn)\.\w+)"
                        r"\.lora_([AB])(?:\.default)?\.weight")
 
 
@@ -67,7 +68,8 @@ def save(model, folder, *, r: int | None = None, alpha: float | None = None,
         target_modules = sorted({HF_SHORT.get(t, t) for t in target_modules})
         missing = set(present) - set(target_modules)
         if missing:
-            raise ValueError(f"target_modules {target_modules} leave out adapted modules {sorted(missing)}")
+            raise ValueError(f"target_modules {target_modules} leave out adapted modules "
+                             f"{sorted(missing)}")
     tensors = _peft_tensors(arrays, model.cfg, scale)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r,
@@ -94,9 +96,10 @@ def _check_targets(targets, parts, cfg_path):
     vkdsl would apply more of the adapter than PEFT does."""
     if targets is None or targets == "all-linear":
         return
-    if not (isinstance(targets, str) or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
-        raise ModelFileError(f"{cfg_path}: target_modules = {json.dumps(targets)[:80]}, expected a list of module "
-                             f"names or a regex")
+    if not (isinstance(targets, str) or isinstance(targets, list)
+            and all(isinstance(t, str) for t in targets)):
+        raise ModelFileError(f"{cfg_path}: target_modules = {json.dumps(targets)[:80]}, expected a "
+                             f"list of module names or a regex")
     for module in parts:
         i, m = int(module.split(".")[1]), module.split(".")[2]
         full = f"model.layers.{i}.{HF_MODULE[m]}"
@@ -104,10 +107,12 @@ def _check_targets(targets, parts, cfg_path):
             hit = re.fullmatch(targets, full) if isinstance(targets, str) else \
                 any(full == t or full.endswith("." + t) for t in targets)
         except re.error as e:
-            raise ModelFileError(f"{cfg_path}: target_modules {targets!r} is not a valid regex ({e})") from None
+            raise ModelFileError(f"{cfg_path}: target_modules {targets!r} is not a valid "
+                                 f"regex ({e})") from None
         if not hit:
-            raise ModelFileError(f"{cfg_path}: target_modules {json.dumps(targets)} does not name {HF_SHORT[m]} of "
-                                 f"layer {i}, which the weights adapt (PEFT would leave it out)")
+            raise ModelFileError(f"{cfg_path}: target_modules {json.dumps(targets)} does not name "
+                                 f"{HF_SHORT[m]} of layer {i}, which the weights adapt (PEFT would "
+                                 f"leave it out)")
 
 
 def read(folder: Path, cfg) -> "common.AdapterWeights":
@@ -116,7 +121,8 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
         raise ModelFileError(f"{folder}: no {CONFIG} (not a PEFT adapter folder)")
     if not w_path.is_file():
         if (folder / "adapter_model.bin").is_file():
-            raise ModelFileError(f"{folder}: adapter_model.bin (pickle) is not read; save as safetensors")
+            raise ModelFileError(f"{folder}: adapter_model.bin (pickle) is not read; save as "
+                                 f"safetensors")
         raise ModelFileError(f"{folder}: no {WEIGHTS}")
     try:
         pc = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -146,7 +152,8 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
                                  f"q/k/v/o/gate/up/down_proj or linear_attn's in_proj_*/out_proj)")
         i = int(m.group(1))
         if i >= cfg.n_layers:
-            raise ModelFileError(f"{w_path}: {key}: layer {i} but the model has {cfg.n_layers} layers")
+            raise ModelFileError(f"{w_path}: {key}: layer {i} but the model has "
+                                 f"{cfg.n_layers} layers")
         if len(shape) != 2:
             raise ModelFileError(f"{w_path}: {key}: shape {shape} is not a matrix")
         module = f"blk.{i}.{_FROM_HF[m.group(2)]}"
@@ -160,10 +167,12 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
             if x not in ab:
                 other = ab["B" if x == "A" else "A"][0]
                 raise ModelFileError(f"{w_path}: missing key {other[:-len('lora_B.weight')]}"
-                                     f"lora_{x}.weight (its lora_{'B' if x == 'A' else 'A'} is present)")
+                                     f"lora_{x}.weight (its lora_{'B' if x == 'A' else 'A'} "
+                                     f"is present)")
         (ka, a), (kb, b) = ab["A"], ab["B"]
         if a.shape[0] != r:
-            raise ModelFileError(f"{w_path}: {ka}: shape {a.shape}, expected (r={r}, in) per {CONFIG}")
+            raise ModelFileError(f"{w_path}: {ka}: shape {a.shape}, expected (r={r}, in) "
+                                 f"per {CONFIG}")
         A, Bt = a.T, b                                   # A (in, r); Bt (out, r) HF rows
         d_in, d_out = common.module_shape(cfg, module)
         if A.shape[0] != d_in:

@@ -20,8 +20,10 @@ def example_weight(fmt, w):
     """A packed example of weight w in format fmt (gguf-py quantizes the GGUF formats it can)."""
     if get_format(fmt).gguf:
         import gguf
-        return from_gguf(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, fmt.upper())), fmt)
-    return quantize_nf4(w) if fmt == "nf4" else quantize_int4(w, np.float16 if fmt == "int4_f16" else np.float32)
+        return from_gguf(gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, fmt.upper())),
+                         fmt)
+    return (quantize_nf4(w) if fmt == "nf4"
+            else quantize_int4(w, np.float16 if fmt == "int4_f16" else np.float32))
 
 
 def bench(M=256, K=576, N=1536, fmts=("q4_1",), forms=("nt", "nn"), rounds=5, dev=None):
@@ -36,7 +38,8 @@ def bench(M=256, K=576, N=1536, fmts=("q4_1",), forms=("nt", "nn"), rounds=5, de
     W.write(w)
     rows = []
     for form in forms:
-        pf = plan_matmul(dev, M=M, N=N if form == "nt" else K, K=K if form == "nt" else N, tb=form == "nt")
+        pf = plan_matmul(dev, M=M, N=N if form == "nt" else K, K=K if form == "nt" else N,
+                         tb=form == "nt")
         rf = Recording(dev, 1)
         record_matmul(rf, pf, C, X, W)
         for fmt in fmts:
@@ -55,7 +58,8 @@ def bench(M=256, K=576, N=1536, fmts=("q4_1",), forms=("nt", "nn"), rounds=5, de
             rq.release()
             rows.append({"form": form, "fmt": fmt, "kernel": pq.name, "fp32_kernel": pf.name,
                          "quant_ms": best["quant"] * 1e3, "fp32_ms": best["fp32"] * 1e3,
-                         "ratio": best["quant"] / best["fp32"], "quant_gflops": pq.flops / best["quant"] / 1e9})
+                         "ratio": best["quant"] / best["fp32"],
+                         "quant_gflops": pq.flops / best["quant"] / 1e9})
         rf.release()
     return rows
 
@@ -68,5 +72,5 @@ if __name__ == "__main__":
     forms = tuple(args[2].split(",")) if len(args) > 2 else ("nt", "nn")
     for r in bench(M, K, N, fmts, forms):
         print(f"{r['form']} {r['fmt']:8s} M={M} K={K} N={N}: {r['kernel']} {r['quant_ms']:.2f} ms "
-              f"({r['quant_gflops']:.1f} GFLOP/s), {r['fp32_kernel']} {r['fp32_ms']:.2f} ms, ratio {r['ratio']:.2f}",
-              flush=True)
+              f"({r['quant_gflops']:.1f} GFLOP/s), {r['fp32_kernel']} {r['fp32_ms']:.2f} ms, ratio "
+              f"{r['ratio']:.2f}", flush=True)

@@ -46,7 +46,8 @@ def _int4(i, p):
     qw = op.packed()
     N, K = qw.shape
     scales = qw.arrays[0].view(np.float32)[:N * K // 64].reshape(N, K // 64)
-    return {"out": out, "out_codes": vkdsl.tensor(pair_packed(codes_of(qw))), "out_scales": vkdsl.tensor(scales)}
+    return {"out": out, "out_codes": vkdsl.tensor(pair_packed(codes_of(qw))),
+            "out_scales": vkdsl.tensor(scales)}
 
 
 def _nf4(i, p):
@@ -75,28 +76,33 @@ def _gguf(fmt):
 
 
 register("int4_roundtrip", _int4, 1e-12,
-         "device quantize then dequantize: scale = absmax * fl(1/7) in fp32 vs the golden's fl(absmax/7) "
-         "can differ by 1 ulp -> NMSE ~ eps32^2 = 1e-14 on out and out_scales; codes (re-laid out on the "
-         "host) must agree: one code off changes a packed byte by >= 1, NMSE >= 1/(bytes * 255^2) >= 3e-8")
+         "device quantize then dequantize: scale = absmax * fl(1/7) in fp32 vs the golden's "
+         "fl(absmax/7) can differ by 1 ulp -> NMSE ~ eps32^2 = 1e-14 on out and out_scales; codes "
+         "(re-laid out on the host) must agree: one code off changes a packed byte by >= 1, NMSE "
+         ">= 1/(bytes * 255^2) >= 3e-8")
 register("nf4_roundtrip", _nf4, 1e-5,
-         "device quantize then dequantize; 4-bit codes compared too (a layout error gives NMSE ~ 0.1; a single "
-         "near-midpoint flip could hide under this limit: tests/test_ops_quant.py compares them exactly). "
-         "Double quantization differs above 256 blocks: vkdsl keeps an offset per 256-block group, the "
-         "golden one global offset, so absmax_q/scale/offset are compared only up to 256 blocks and the "
-         "reconstructed absmax of each may sit scale/2 = max|absmax - offset|/254 away (<= 0.3% of a "
-         "Gaussian block's absmax): NMSE <= (0.0083/2.6)^2 = 1e-5 worst case, 1.4e-6 measured on 257x64; "
-         "up to 256 blocks the layouts agree and NMSE ~ 1e-15")
+         "device quantize then dequantize; 4-bit codes compared too (a layout error gives NMSE ~ "
+         "0.1; a single near-midpoint flip could hide under this limit: tests/test_ops_quant.py "
+         "compares them exactly). Double quantization differs above 256 blocks: vkdsl keeps an "
+         "offset per 256-block group, the golden one global offset, so absmax_q/scale/offset are "
+         "compared only up to 256 blocks and the reconstructed absmax of each may sit scale/2 = "
+         "max|absmax - offset|/254 away (<= 0.3% of a Gaussian block's absmax): NMSE <= "
+         "(0.0083/2.6)^2 = 1e-5 worst case, 1.4e-6 measured on 257x64; up to 256 blocks the "
+         "layouts agree and NMSE ~ 1e-15")
 register("dequant_q8_0", _gguf("q8_0"), 0.0, "f16 d times an int8: a 19-bit product, exact in fp32")
 register("dequant_q4_0", _gguf("q4_0"), 0.0, "f16 d times (q - 8): a 16-bit product, exact in fp32")
 register("dequant_f16", _gguf("f16"), 0.0, "every f16 is exactly an fp32")
 for _k in ("q4_k", "q5_k"):
     register(f"dequant_{_k}", _gguf(_k), 1.5e-14,
-             "d * sc and dmin * m are exact in fp32 (11-bit times 6-bit); times q and minus the offset rounds once or "
-             "twice (an FMA may fuse them): |err| <= 2^-23 |w| -> NMSE <= 1.4e-14")
-register("dequant_q6_k", _gguf("q6_k"), 0.0, "d * sc (11-bit times 8-bit) times (q - 32) (7-bit): a 26-bit product, "
+             "d * sc and dmin * m are exact in fp32 (11-bit times 6-bit); times q and minus the "
+             "offset rounds once or twice (an FMA may fuse them): |err| <= 2^-23 |w| -> NMSE "
+             "<= 1.4e-14")
+register("dequant_q6_k", _gguf("q6_k"), 0.0,
+         "d * sc (11-bit times 8-bit) times (q - 32) (7-bit): a 26-bit product, "
          "exact in fp32")
 register("dequant_q4_1", _gguf("q4_1"), 1e-14,
-         "d * q is exact in fp32, adding the f16 m rounds once: |err| <= 2^-24 |w| -> NMSE <= 3.6e-15")
+         "d * q is exact in fp32, adding the f16 m rounds once: |err| <= 2^-24 |w| -> NMSE "
+         "<= 3.6e-15")
 
 
 def _qmatmul_fp16(i, p):
@@ -106,7 +112,8 @@ def _qmatmul_fp16(i, p):
 
 
 register("qmatmul_f16in", _qmatmul_fp16, 1e-8,
-         "precision fp16 with a quantized weight, against the golden of X and the dequantized weight rounded "
-         "to fp16: exact fp32 products, fp32 sums as in matmul (NMSE ~ n*eps32^2); the device's fp32 "
-         "dequantization can round a Q4_1 weight to the other fp16 neighbour only at a tie (one element "
-         "in thousands, NMSE < 1e-10); a kernel that kept fp32 inputs is off by ~1e-7", fp16_unsupported)
+         "precision fp16 with a quantized weight, against the golden of X and the dequantized "
+         "weight rounded to fp16: exact fp32 products, fp32 sums as in matmul (NMSE ~ n*eps32^2); "
+         "the device's fp32 dequantization can round a Q4_1 weight to the other fp16 neighbour "
+         "only at a tie (one element in thousands, NMSE < 1e-10); a kernel that kept fp32 inputs "
+         "is off by ~1e-7", fp16_unsupported)

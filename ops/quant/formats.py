@@ -1,4 +1,5 @@
-"""Quantized weight formats: their block layouts, and the numpy codecs the device kernels must match.
+"""Quantized weight formats: their block layouts, and the numpy codecs the device kernels must
+match.
 
 A weight W is N x K (rows = output features, as GGUF stores (out, in)), quantized along K:
 
@@ -30,8 +31,9 @@ import numpy as np
 # QLoRA's NormalFloat-4 values (bitsandbytes), and the midpoints a weight is rounded by.
 NF4_CODEBOOK = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
                          -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-                         0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-                         0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
+                         0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+                         0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                         0.7229568362236023, 1.0], np.float32)
 NF4_MID = ((NF4_CODEBOOK[:-1] + NF4_CODEBOOK[1:]) / np.float32(2)).astype(np.float32)
 NF4_GROUP = 256                  # blocks per double-quantization group
 # Scales divide by 7 and 127 as multiplies by float32 reciprocals: shader compilers turn a division
@@ -88,7 +90,8 @@ def get_format(fmt) -> Format:
 
 def check_shape(fmt: Format, N: int, K: int):
     if N <= 0 or K <= 0 or K % fmt.group:
-        raise ValueError(f"{fmt.name}: weight {N} x {K} must have K a positive multiple of {fmt.group}")
+        raise ValueError(f"{fmt.name}: weight {N} x {K} must have K a positive multiple of "
+                         f"{fmt.group}")
 
 
 def format_bytes(fmt, N: int, K: int) -> int:
@@ -175,7 +178,8 @@ def from_gguf(data: np.ndarray, qtype, shape=None) -> QuantizedWeight:
     check_shape(f, N, K)
     blocks = raw.reshape(-1)
     if blocks.nbytes != N * K // per * bb:
-        raise ValueError(f"{f.name} {N} x {K}: expected {N * K // per * bb} bytes of blocks, got {blocks.nbytes}")
+        raise ValueError(f"{f.name} {N} x {K}: expected {N * K // per * bb} bytes of blocks, got "
+                         f"{blocks.nbytes}")
     blocks = blocks.reshape(-1, bb)
     return QuantizedWeight(f.name, (N, K), tuple(blocks[:, a:b] for a, b in _BLOCK_ARRAYS[f.name]))
 
@@ -231,7 +235,8 @@ def quantize_nf4(w: np.ndarray) -> QuantizedWeight:
         offset = np.float32(np.cumsum(a, dtype=np.float32)[-1] / np.float32(len(a)))
         scale = np.float32(np.abs(a - offset).max() * INV127)
         div = scale if scale > 0 else np.float32(1)
-        acodes[first:first + len(a)] = np.clip(np.rint((a - offset) / div), -127, 127).astype(np.int8)
+        acodes[first:first + len(a)] = np.clip(np.rint((a - offset) / div), -127,
+                                               127).astype(np.int8)
         group[i] = scale, offset
     return QuantizedWeight("nf4", w.shape, (acodes, group, _pack_nibbles(codes)))
 
@@ -257,7 +262,8 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
             dm = a[0].view(np.float16).reshape(r, 2).astype(np.float32)
             w = dm[:, :1] * q + dm[:, 1:]
     elif f in ("int4", "int4_f16"):
-        s = (a[0].view(np.float16) if f == "int4_f16" else a[0].view(np.float32))[:r // 2].astype(np.float32)
+        s = (a[0].view(np.float16) if f == "int4_f16"
+             else a[0].view(np.float32))[:r // 2].astype(np.float32)
         w = np.repeat(s, 2)[:, None] * (unpack_nibbles(a[1]).astype(np.float32) - np.float32(8))
     elif f == "nf4":
         nb = r // 2

@@ -21,12 +21,15 @@ class QGather(CustomOp):
     def record(self, rec, out, srcs):
         f = get_format(self.fmt)
         V, D = self.shape
-        k = build_kernel(rec.device, "quant_gather.comp", self.name, f.defines, 2 + len(f.arrays), GATHER_PUSH,
-                         (64, 1, 1))
+        k = build_kernel(rec.device, "quant_gather.comp", self.name, f.defines, 2 + len(f.arrays),
+                         GATHER_PUSH, (64, 1, 1))
         items = srcs[0].nbytes // 4 * (D // 32)          # one invocation per 32 weights of a row
-        rec.dispatch(k, [out, *srcs], grid_for(rec.device, items), GATHER_PUSH.pack(V, D, self.base, self.total))
+        rec.dispatch(k, [out, *srcs], grid_for(rec.device, items),
+                     GATHER_PUSH.pack(V, D, self.base, self.total))
 
 
-def qgather(ids: Tensor, arrays, fmt: str, shape, base: int = 0, total: int | None = None) -> Tensor:
+def qgather(ids: Tensor, arrays, fmt: str, shape, base: int = 0,
+            total: int | None = None) -> Tensor:
     """ids (...) int32 -> (..., D) rows of the packed table given as int32 arrays (see QGather)."""
-    return custom(QGather(fmt, shape, base, total), [ids, *arrays], (*ids.shape, shape[1]), requires_grad=False)
+    return custom(QGather(fmt, shape, base, total), [ids, *arrays], (*ids.shape, shape[1]),
+                  requires_grad=False)

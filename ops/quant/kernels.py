@@ -19,7 +19,8 @@ from .formats import FORMATS, NF4_GROUP, Format, array_nbytes, check_shape, get_
 
 QUANT_PUSH = PushLayout("<2I", "quant_push.glsl")        # QuantPush: N, K
 MV_ROWS = 4          # up to this many rows of X use the matrix-vector kernel (qmatvec.comp)
-MV_LOCAL = 16        # its workgroup: small, so a 576-column matrix is 9 workgroups for the driver's threads
+# its workgroup: small, so a 576-column matrix is 9 workgroups for the driver's threads
+MV_LOCAL = 16
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,14 @@ def qtile_fits(tile: tuple, form: str) -> bool:
 
 
 def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, texel: bool = False,
-                    tile: tuple = tuning.DEFAULT_TILE, rows: int = 0, cols: int = 0, batch: int = 1):
+                    tile: tuple = tuning.DEFAULT_TILE, rows: int = 0, cols: int = 0,
+                    batch: int = 1):
     """(kernel name, defines, local size, rows and columns per workgroup) of a qmatmul variant; the
     GPU variants' block follows the output's rows x cols x batch (handwritten.gpu_config)."""
     tb = int(form == "nt")
     if variant in ("gpu", "gpu16", "coop"):
-        return gpu_variant(dev, variant, f"qmatmul_{form}_{f.name}", dict(f.defines, TB=tb), rows, cols, batch,
-                           "qmatmul")
+        return gpu_variant(dev, variant, f"qmatmul_{form}_{f.name}", dict(f.defines, TB=tb), rows,
+                           cols, batch, "qmatmul")
     if variant != "lvp":
         raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
     tm, tn = tile
@@ -89,8 +91,8 @@ def qmatvec_variant(f: Format, texel: bool) -> tuple[str, dict]:
 
 
 def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: int = 1,
-                 batch_stride_x: int | None = None, variant: str | None = None, precision: str = "fp32",
-                 tile: tuple | None = None) -> QuantPlan:
+                 batch_stride_x: int | None = None, variant: str | None = None,
+                 precision: str = "fp32", tile: tuple | None = None) -> QuantPlan:
     """Matmul with a quantized N x K weight W (dequantized in the shader):
     form 'nt': C (M x N) = X (M x K) . W^T;   form 'nn': C (M x K) = X (M x N) . W.
     X is fp32, batched with batch_stride_x elements (None: dense; 0: one X for every batch).
@@ -109,10 +111,11 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     if form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0:
         # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
         name, defines = qmatvec_variant(f, texel_fits(dev, *words))
-        kernel = build_kernel(dev, "qmatvec.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, (MV_LOCAL, 1, 1),
-                              texels=qtexel_bindings(f, defines))
-        return QuantPlan(name=name, kernel=kernel, groups=grid_for(dev, -(-N // 4), MV_LOCAL), push=MATMUL_PUSH.pack(M, N, K, 0, 0, 0),
-                         fmt=f.name, N=N, K=K, bytes_x=4 * M * K, bytes_c=4 * M * N, flops=2 * M * N * K)
+        kernel = build_kernel(dev, "qmatvec.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH,
+                              (MV_LOCAL, 1, 1), texels=qtexel_bindings(f, defines))
+        return QuantPlan(name=name, kernel=kernel, groups=grid_for(dev, -(-N // 4), MV_LOCAL),
+                         push=MATMUL_PUSH.pack(M, N, K, 0, 0, 0), fmt=f.name, N=N, K=K,
+                         bytes_x=4 * M * K, bytes_c=4 * M * N, flops=2 * M * N * K)
     last = max(batch - 1, 0)
     texel = variant == "lvp" and texel_fits(dev, last * sx + rows * red, *words)
     vec = widest([red, sx], (4, 1) if texel else lvp_widths(dev))
@@ -121,13 +124,15 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
             if variant == "lvp" else tuning.DEFAULT_TILE
     elif not qtile_fits(tile, form):
         raise ValueError(f"qmatmul {form} tile {tile} does not fit the kernel")
-    name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1, texel,
-                                                   tile, rows, cols, batch)
+    name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec,
+                                                   4 if cols % 4 == 0 else 1, texel, tile, rows,
+                                                   cols, batch)
     kernel = build_kernel(dev, "qmatmul.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, local,
                           coopmat=variant == "coop", texels=qtexel_bindings(f, defines))
     groups = (-(-cols // bn), -(-rows // bm), batch) if min(rows, batch) > 0 else (0, 0, 0)
-    return QuantPlan(name=name, kernel=kernel, groups=groups, push=MATMUL_PUSH.pack(rows, cols, red, sx, 0, sc),
-                     fmt=f.name, N=N, K=K, bytes_x=4 * (last * sx + rows * red), bytes_c=4 * (last * sc + rows * cols),
+    return QuantPlan(name=name, kernel=kernel, groups=groups,
+                     push=MATMUL_PUSH.pack(rows, cols, red, sx, 0, sc), fmt=f.name, N=N, K=K,
+                     bytes_x=4 * (last * sx + rows * red), bytes_c=4 * (last * sc + rows * cols),
                      flops=2 * rows * cols * red * batch)
 
 
@@ -138,22 +143,24 @@ def _check_arrays(plan: QuantPlan, qbuffers):
                          f"({', '.join(get_format(plan.fmt).arrays)}), got {len(qbuffers)}")
     for name, b, n in zip(get_format(plan.fmt).arrays, qbuffers, want):
         if b.nbytes < n:
-            raise ValueError(f"{plan.name}: array {name} holds {b.nbytes} bytes, the weight needs {n}")
+            raise ValueError(f"{plan.name}: array {name} holds {b.nbytes} bytes, the weight "
+                             f"needs {n}")
 
 
 def record_qmatmul(rec, plan: QuantPlan, C, X, *qbuffers):
     _check_arrays(plan, qbuffers)
     for what, buf, need in (("C", C, plan.bytes_c), ("X", X, plan.bytes_x)):
         if buf.nbytes < need:
-            raise ValueError(f"{plan.name}: buffer {what} holds {buf.nbytes} bytes, the plan needs {need}")
+            raise ValueError(f"{plan.name}: buffer {what} holds {buf.nbytes} bytes, the plan "
+                             f"needs {need}")
     rec.dispatch(plan.kernel, [C, X, *qbuffers], plan.groups, plan.push, writes=[0])
 
 
 def plan_dequant(dev, fmt, *, N: int, K: int) -> QuantPlan:
     f = get_format(fmt)
     check_shape(f, N, K)
-    kernel = build_kernel(dev, "quant_dequant.comp", f"dequant_{f.name}", f.defines, 1 + len(f.arrays),
-                          QUANT_PUSH, (64, 1, 1))
+    kernel = build_kernel(dev, "quant_dequant.comp", f"dequant_{f.name}", f.defines,
+                          1 + len(f.arrays), QUANT_PUSH, (64, 1, 1))
     return QuantPlan(name=f"dequant_{f.name}", kernel=kernel, groups=grid_for(dev, N * K // 32),
                      push=QUANT_PUSH.pack(N, K), fmt=f.name, N=N, K=K, bytes_c=4 * N * K)
 
@@ -167,21 +174,27 @@ def record_dequant(rec, plan: QuantPlan, W, *qbuffers):
 
 
 def plan_quantize(dev, fmt, *, N: int, K: int) -> QuantPlan:
-    """fp32 -> int4 / int4_f16 / nf4 on the device, the same bytes as quantize_int4 / quantize_nf4."""
+    """fp32 -> int4 / int4_f16 / nf4 on the device, the same bytes as quantize_int4 /
+    quantize_nf4."""
     f = get_format(fmt)
     check_shape(f, N, K)
     push = QUANT_PUSH.pack(N, K)
     groups = N * K // 64
     if f.name in ("int4", "int4_f16"):
         items = -(-groups // 2) if f.name == "int4_f16" else groups     # f16: a pair of groups each
-        k = build_kernel(dev, "quant_pack_int4.comp", f"quantize_{f.name}", {"INT4_F16": f.defines["INT4_F16"]}, 3,
-                         QUANT_PUSH, (64, 1, 1))
-        return QuantPlan(name=f"quantize_{f.name}", kernel=k, groups=grid_for(dev, items), push=push, fmt=f.name, N=N, K=K)
+        k = build_kernel(dev, "quant_pack_int4.comp", f"quantize_{f.name}",
+                         {"INT4_F16": f.defines["INT4_F16"]}, 3, QUANT_PUSH, (64, 1, 1))
+        return QuantPlan(name=f"quantize_{f.name}", kernel=k, groups=grid_for(dev, items),
+                         push=push, fmt=f.name, N=N, K=K)
     if f.name == "nf4":
-        k1 = build_kernel(dev, "quant_pack_nf4.comp", "quantize_nf4_blocks", {"PASS": 1}, 5, QUANT_PUSH, (64, 1, 1))
-        k2 = build_kernel(dev, "quant_pack_nf4.comp", "quantize_nf4_scales", {"PASS": 2}, 5, QUANT_PUSH, (8, 1, 1))
-        return QuantPlan(name="quantize_nf4", kernel=k1, groups=grid_for(dev, groups), push=push, fmt="nf4", N=N, K=K,
-                         kernel2=k2, groups2=grid_for(dev, -(-groups // NF4_GROUP), 8), scratch_bytes=4 * groups)
+        k1 = build_kernel(dev, "quant_pack_nf4.comp", "quantize_nf4_blocks", {"PASS": 1}, 5,
+                          QUANT_PUSH, (64, 1, 1))
+        k2 = build_kernel(dev, "quant_pack_nf4.comp", "quantize_nf4_scales", {"PASS": 2}, 5,
+                          QUANT_PUSH, (8, 1, 1))
+        return QuantPlan(name="quantize_nf4", kernel=k1, groups=grid_for(dev, groups), push=push,
+                         fmt="nf4", N=N, K=K, kernel2=k2,
+                         groups2=grid_for(dev, -(-groups // NF4_GROUP), 8),
+                         scratch_bytes=4 * groups)
     raise ValueError(f"no device quantizer for {f.name} (int4, int4_f16 and nf4 have one)")
 
 
@@ -204,17 +217,22 @@ def record_quantize(rec, plan: QuantPlan, W, *qbuffers, scratch=None):
 
 
 def builtin_variants(dev) -> list[str]:
-    """Compile (to SPIR-V, no pipelines) every quantized-weight kernel this device can pick, for bundles."""
+    """Compile (to SPIR-V, no pipelines) every quantized-weight kernel this device can pick, for
+    bundles."""
     jobs = []
     for f in FORMATS.values():
         for form in ("nt", "nn"):
             variants = []
             for _ in each_gpu_block(dev):
-                variants += [qmatmul_variant(dev, f, form, v, 1, 1) for v in ["gpu"] + fp16_variants(dev)
+                variants += [qmatmul_variant(dev, f, form, v, 1, 1)
+                             for v in ["gpu"] + fp16_variants(dev)
                              if v != "coop"]
-            variants += [qmatmul_variant(dev, f, form, v, 1, 1) for v in fp16_variants(dev) if v == "coop"]
-            variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
-            variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv, True) for vec in (4, 1) for sv in (4, 1)]
+            variants += [qmatmul_variant(dev, f, form, v, 1, 1) for v in fp16_variants(dev)
+                         if v == "coop"]
+            variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv) for vec in lvp_widths(dev)
+                         for sv in (4, 1)]
+            variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv, True) for vec in (4, 1)
+                         for sv in (4, 1)]
             jobs += [("qmatmul.comp", name, d) for name, d, _, _, _ in variants]
         jobs += [("qmatvec.comp", *qmatvec_variant(f, texel)) for texel in (False, True)]
         jobs.append(("quant_dequant.comp", f"dequant_{f.name}", f.defines))

@@ -27,7 +27,8 @@ class QLinear(CustomOp):
     def record(self, rec, out, srcs):
         N, K = self.shape
         M = srcs[0].nbytes // 4 // (K if self.form == "nt" else N)
-        plan = kernels.plan_qmatmul(rec.device, self.fmt, M=M, N=N, K=K, form=self.form, precision=self.precision)
+        plan = kernels.plan_qmatmul(rec.device, self.fmt, M=M, N=N, K=K, form=self.form,
+                                    precision=self.precision)
         kernels.record_qmatmul(rec, plan, out, srcs[0], *srcs[1:])
 
     def flops(self, node) -> int:
@@ -35,7 +36,8 @@ class QLinear(CustomOp):
         return 2 * node.shape[0] * N * K
 
     def backward(self, node, g, x, *arrays):
-        return (qlinear(g, arrays, self.fmt, self.shape, "nn" if self.form == "nt" else "nt", self.precision),
+        return (qlinear(g, arrays, self.fmt, self.shape, "nn" if self.form == "nt" else "nt",
+                        self.precision),
                 *([None] * len(arrays)))
 
 
@@ -55,13 +57,14 @@ def packed_arrays(qw: QuantizedWeight, name: str = "w") -> list[Tensor]:
             for a, n in zip(qw.arrays, get_format(qw.fmt).arrays)]
 
 
-def qlinear(x: Tensor, arrays, fmt: str, shape, form: str = "nt", precision: str | None = None) -> Tensor:
+def qlinear(x: Tensor, arrays, fmt: str, shape, form: str = "nt",
+            precision: str | None = None) -> Tensor:
     """x (M, K) . W^T ('nt') or x (M, N) . W ('nn') with W (N, K) given as packed int32 arrays."""
     N, K = shape
     kin, nout = (K, N) if form == "nt" else (N, K)
     if x.ndim != 2 or x.shape[1] != kin:
-        raise ValueError(f"qlinear {fmt} {N}x{K} ({form}): input {x.name or ''} of shape {x.shape}, "
-                         f"expected (M, {kin})")
+        raise ValueError(f"qlinear {fmt} {N}x{K} ({form}): input {x.name or ''} of shape "
+                         f"{x.shape}, expected (M, {kin})")
     return custom(QLinear(fmt, shape, form, precision), [x, *arrays], (x.shape[0], nout),
                   requires_grad=x.requires_grad)
 
@@ -78,4 +81,5 @@ class Dequant(CustomOp):
 
 
 def dequant(qw: QuantizedWeight) -> Tensor:
-    return custom(Dequant(qw.fmt, *qw.shape), packed_arrays(qw, qw.fmt), qw.shape, requires_grad=False)
+    return custom(Dequant(qw.fmt, *qw.shape), packed_arrays(qw, qw.fmt), qw.shape,
+                  requires_grad=False)

@@ -28,9 +28,11 @@ class QuantRoundTrip(CustomOp):
             names = get_format(self.fmt).arrays
             self.qbuffers = [Buffer(dev, n, label=f"{self.name}.{a}")
                              for a, n in zip(names, array_nbytes(self.fmt, N, K))]
-            self.scratch = Buffer(dev, qp.scratch_bytes, label=f"{self.name}.scratch") if qp.scratch_bytes else None
+            self.scratch = (Buffer(dev, qp.scratch_bytes, label=f"{self.name}.scratch")
+                            if qp.scratch_bytes else None)
         kernels.record_quantize(rec, qp, srcs[0], *self.qbuffers, scratch=self.scratch)
-        kernels.record_dequant(rec, kernels.plan_dequant(dev, self.fmt, N=N, K=K), out, *self.qbuffers)
+        kernels.record_dequant(rec, kernels.plan_dequant(dev, self.fmt, N=N, K=K), out,
+                               *self.qbuffers)
 
     def packed(self) -> QuantizedWeight:
         if self.qbuffers is None:
@@ -42,7 +44,8 @@ def roundtrip(x: Tensor, fmt: str) -> tuple[Tensor, QuantRoundTrip]:
     """(dequantize(quantize(x)) computed on the device, the op holding the packed arrays)."""
     f = get_format(fmt)
     if x.ndim != 2 or x.shape[1] % f.group:
-        raise ValueError(f"{f.name} round trip of {x.name or 'a tensor'}: expected a 2-D weight (N, K) with K a "
-                         f"multiple of the group size {f.group}, got shape {x.shape}")
+        raise ValueError(f"{f.name} round trip of {x.name or 'a tensor'}: expected a 2-D weight "
+                         f"(N, K) with K a multiple of the group size {f.group}, got shape "
+                         f"{x.shape}")
     op = QuantRoundTrip(fmt, *x.shape)
     return custom(op, [x], x.shape, requires_grad=False), op

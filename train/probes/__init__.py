@@ -7,7 +7,8 @@ Each probe declares its parameters with defaults sized for lavapipe on 2 cores; 
 overrides them (the tests run every probe small on a tiny model)."""
 from __future__ import annotations
 
-from .base import REGISTRY, Context, Expectation, Probe, ProbeError, Result, fmt, parse_sets, probe  # noqa: F401
+from .base import (REGISTRY, Context, Expectation, Probe, ProbeError, Result, fmt,  # noqa: F401
+                   parse_sets, probe)
 
 
 def _load():

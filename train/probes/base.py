@@ -19,7 +19,8 @@ class Expectation:
 
     @property
     def tag(self) -> str:
-        return ("PASS" if self.ok else "FAIL") if self.structural else ("holds" if self.ok else "not seen")
+        return (("PASS" if self.ok else "FAIL") if self.structural
+                else ("holds" if self.ok else "not seen"))
 
 
 @dataclass
@@ -94,11 +95,13 @@ class Context:
     work: object                  # pathlib.Path
     params: dict
     say: Callable = print
-    train: dict = field(default_factory=dict)    # trainer settings from --config (data, labels, max_len, ...)
+    # trainer settings from --config (data, labels, max_len, ...)
+    train: dict = field(default_factory=dict)
     _files: tuple | None = field(default=None, init=False, repr=False)
 
     def files(self):
-        """(checkpoint, tokenizer) of the probe's model, read once (a GGUF's header takes seconds)."""
+        """(checkpoint, tokenizer) of the probe's model, read once (a GGUF's header takes
+        seconds)."""
         if self._files is None:
             from vkdsl.models import load_model_files
             from vkdsl.models.default import default_model_path
@@ -111,7 +114,8 @@ REGISTRY: dict[str, Probe] = {}
 
 def probe(name, summary, needs_model, minutes="", seeds=1, bounds=None, **defaults):
     def wrap(fn):
-        REGISTRY[name] = Probe(name, summary, needs_model, defaults, fn, minutes, seeds, bounds or {})
+        REGISTRY[name] = Probe(name, summary, needs_model, defaults, fn, minutes, seeds,
+                               bounds or {})
         return fn
     return wrap
 
@@ -152,7 +156,8 @@ def _check_bounds(p: Probe, k, v, values):
     inside the probe (an IndexError, numpy's shape wording)."""
     d = p.defaults[k]
     items = v if isinstance(v, list) else [v]
-    if isinstance(d, bool) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+    if (isinstance(d, bool)
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items)):
         return
     if isinstance(v, list) and not v:
         raise ProbeError(f"probe {p.name}: {k} must list at least one value")
@@ -160,5 +165,6 @@ def _check_bounds(p: Probe, k, v, values):
     lo, hi = (values[b] if isinstance(b, str) else b for b in (lo, hi))
     for x in items:
         if (lo is None and not x > 0) or (lo is not None and x < lo) or (hi is not None and x > hi):
-            want = f"in [{lo}, {hi}]" if hi is not None else (f">= {lo}" if lo is not None else "> 0")
+            want = (f"in [{lo}, {hi}]" if hi is not None
+                    else (f">= {lo}" if lo is not None else "> 0"))
             raise ProbeError(f"probe {p.name}: {k}={x} is out of bounds: expected {want}")

@@ -9,20 +9,21 @@ import numpy as np
 
 from ..config import TrainConfig
 from ..progress import Reporter
-from ..trainer import BASE_EVAL, Run, run
+from ..checkpoint import BASE_EVAL
+from ..trainer import Run, run
 from .base import ProbeError
 
 
-# evidence no probe table shows (failures generated verbatim, the fp32-base decisions, merged logits):
-# off unless the probe's --config asks for it
+# evidence no probe table shows (failures generated verbatim, the fp32-base decisions, merged
+# logits): off unless the probe's --config asks for it
 QUIET_EVIDENCE = {"format_examples": 0, "stability_rows": 0, "merge_check_rows": 0}
 
 
 def config(ctx, tag: str, **over) -> TrainConfig:
     d = ctx.work / tag
     d.mkdir(parents=True, exist_ok=True)
-    return TrainConfig(**{**QUIET_EVIDENCE, **ctx.train, "model": ctx.model, "verify": False, "quiet": True,
-                          "out": str(d), **over}).validate()
+    return TrainConfig(**{**QUIET_EVIDENCE, **ctx.train, "model": ctx.model, "verify": False,
+                          "quiet": True, "out": str(d), **over}).validate()
 
 
 def open_run(ctx, tag: str, **over) -> Run:
@@ -60,8 +61,8 @@ def need_labels(r, probe: str):
 
 def need_template(tok, probe: str, model: str):
     if not tok.chat_template:
-        raise ProbeError(f"probe {probe} needs a model with a chat template (its rows are chat turns); "
-                         f"{model or 'the default model'} has none")
+        raise ProbeError(f"probe {probe} needs a model with a chat template (its rows are "
+                         f"chat turns); {model or 'the default model'} has none")
 
 
 def spectrum_stats(dw: np.ndarray, fractions=(0.5, 0.9, 0.95, 0.99)) -> dict:
@@ -70,7 +71,8 @@ def spectrum_stats(dw: np.ndarray, fractions=(0.5, 0.9, 0.95, 0.99)) -> dict:
     sv = np.linalg.svd(np.asarray(dw, np.float64), compute_uv=False)
     e = np.cumsum(sv ** 2) / max(float(np.sum(sv ** 2)), 1e-300)
     out = {"fro": float(np.sqrt(np.sum(sv ** 2))), "sv": sv,
-           "stable_rank": float(np.sum(sv ** 2) / sv[0] ** 2) if sv[0] > 0 else 0.0, "smallest": float(sv[-1])}
+           "stable_rank": float(np.sum(sv ** 2) / sv[0] ** 2) if sv[0] > 0 else 0.0,
+           "smallest": float(sv[-1])}
     for f in fractions:
         out[f"n{int(round(100 * f))}"] = int(np.searchsorted(e, f - 1e-12) + 1)
     return out

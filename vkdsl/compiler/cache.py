@@ -38,7 +38,8 @@ def load(k: str) -> bytes | None:
     except OSError:
         return None
     spirv = blob[36:]
-    if blob[:4] != b"VKSP" or hashlib.sha256(spirv).digest() != blob[4:36] or not valid_spirv(spirv):
+    if (blob[:4] != b"VKSP" or hashlib.sha256(spirv).digest() != blob[4:36]
+        or not valid_spirv(spirv)):
         print(f"vkdsl: SPIR-V cache entry {path} is corrupted; rebuilding it", file=sys.stderr)
         os.unlink(path)
         return None
@@ -47,6 +48,7 @@ def load(k: str) -> bytes | None:
 
 def store(k: str, spirv: bytes):
     try:
-        atomic_write(os.path.join(cache_dir(), k + ".spv"), b"VKSP" + hashlib.sha256(spirv).digest() + spirv)
+        atomic_write(os.path.join(cache_dir(), k + ".spv"),
+                     b"VKSP" + hashlib.sha256(spirv).digest() + spirv)
     except OSError as e:       # a read-only home must not stop the run
         print(f"vkdsl: cannot write the SPIR-V cache ({e}); continuing without it", file=sys.stderr)

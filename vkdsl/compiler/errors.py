@@ -10,7 +10,8 @@ class CompileError(RuntimeError):
         show = sorted({j for i in bad for j in range(max(1, i - 2), min(len(lines), i + 2) + 1)}) \
             or range(1, len(lines) + 1)
         listing = "\n".join(f"{'>>' if i in bad else '  '} {i:4d} | {lines[i - 1]}" for i in show)
-        super().__init__(f"GLSL compile of kernel '{name}' failed ({compiler}):\n{log.strip()}\n{listing}")
+        super().__init__(f"GLSL compile of kernel '{name}' failed "
+                         f"({compiler}):\n{log.strip()}\n{listing}")
 
 
 class NoCompiler(RuntimeError):

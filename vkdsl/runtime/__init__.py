@@ -6,5 +6,6 @@ from .errors import DeviceMemoryError, DeviceNotFound, VulkanError
 from .kernel import Kernel, get_kernel
 from .memory import Buffer, Part
 
-__all__ = ["Recording", "Device", "default_device", "open_device", "DeviceInfo", "list_devices", "select",
-           "DeviceMemoryError", "DeviceNotFound", "VulkanError", "Kernel", "get_kernel", "Buffer", "Part"]
+__all__ = ["Recording", "Device", "default_device", "open_device", "DeviceInfo", "list_devices",
+           "select", "DeviceMemoryError", "DeviceNotFound", "VulkanError", "Kernel", "get_kernel",
+           "Buffer", "Part"]

@@ -16,13 +16,14 @@ class Recording:
         self.device, self.label = device, label
         h = device.handle
         n_sets = max(n_sets, 1)
+        kinds = (vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, vk.VK_DESCRIPTOR_TYPE_UNIFORM_TEXEL_BUFFER)
         self.pool = vkcall(vk.vkCreateDescriptorPool, h, vk.VkDescriptorPoolCreateInfo(
             maxSets=n_sets, poolSizeCount=2, pPoolSizes=[
-                vk.VkDescriptorPoolSize(type=t, descriptorCount=n_sets * 8) for t in (
-                    vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, vk.VK_DESCRIPTOR_TYPE_UNIFORM_TEXEL_BUFFER)]), None)
+                vk.VkDescriptorPoolSize(type=t, descriptorCount=n_sets * 8) for t in kinds]), None)
         self._pool_capacity = n_sets
         self.cmd = vkcall(vk.vkAllocateCommandBuffers, h, vk.VkCommandBufferAllocateInfo(
-            commandPool=device.command_pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY, commandBufferCount=1))[0]
+            commandPool=device.command_pool, level=vk.VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+            commandBufferCount=1))[0]
         vkcall(vk.vkBeginCommandBuffer, self.cmd, vk.VkCommandBufferBeginInfo())
         self.fence = vkcall(vk.vkCreateFence, h, vk.VkFenceCreateInfo(), None)
         self._written, self._read = set(), set()
@@ -38,8 +39,10 @@ class Recording:
         self._written.update(writes)
 
     def barrier(self):
-        mb = vk.VkMemoryBarrier(srcAccessMask=vk.VK_ACCESS_SHADER_WRITE_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
-                                dstAccessMask=vk.VK_ACCESS_SHADER_READ_BIT | vk.VK_ACCESS_SHADER_WRITE_BIT |
+        mb = vk.VkMemoryBarrier(srcAccessMask=vk.VK_ACCESS_SHADER_WRITE_BIT
+                                | vk.VK_ACCESS_TRANSFER_WRITE_BIT,
+                                dstAccessMask=vk.VK_ACCESS_SHADER_READ_BIT
+                                | vk.VK_ACCESS_SHADER_WRITE_BIT |
                                 vk.VK_ACCESS_TRANSFER_READ_BIT | vk.VK_ACCESS_TRANSFER_WRITE_BIT)
         stages = vk.VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | vk.VK_PIPELINE_STAGE_TRANSFER_BIT
         vk.vkCmdPipelineBarrier(self.cmd, stages, stages, 0, 1, [mb], 0, None, 0, None)
@@ -51,13 +54,16 @@ class Recording:
         """buffers: Buffer objects in binding order; writes: indices of bound buffers written
         (default: the first). groups: workgroup counts (x, y, z)."""
         if len(buffers) != kernel.n_buffers:
-            raise ValueError(f"kernel {kernel.name} takes {kernel.n_buffers} buffers, got {len(buffers)}")
+            raise ValueError(f"kernel {kernel.name} takes {kernel.n_buffers} buffers, got "
+                             f"{len(buffers)}")
         if len(push) != kernel.push_size:
-            raise ValueError(f"kernel {kernel.name} push constants are {kernel.push_size} bytes, got {len(push)}")
+            raise ValueError(f"kernel {kernel.name} push constants are {kernel.push_size} bytes, "
+                             f"got {len(push)}")
         groups = tuple(groups) + (1,) * (3 - len(groups))
         lim = self.device.limits.max_workgroup_count
         if any(g > l for g, l in zip(groups, lim)):
-            raise ValueError(f"kernel {kernel.name}: {groups} workgroups exceed the device limit {lim}")
+            raise ValueError(f"kernel {kernel.name}: {groups} workgroups exceed the device "
+                             f"limit {lim}")
         if 0 in groups:
             return
         self._keep.extend(buffers)         # a recorded buffer must outlive the recording
@@ -76,22 +82,25 @@ class Recording:
             else:
                 what = dict(descriptorType=vk.VK_DESCRIPTOR_TYPE_STORAGE_BUFFER, pBufferInfo=[
                     vk.VkDescriptorBufferInfo(buffer=b.handle, offset=0, range=0xFFFFFFFFFFFFFFFF)])
-            writes_.append(vk.VkWriteDescriptorSet(dstSet=dset, dstBinding=i, descriptorCount=1, **what))
+            writes_.append(vk.VkWriteDescriptorSet(dstSet=dset, dstBinding=i, descriptorCount=1,
+                                                   **what))
         vk.vkUpdateDescriptorSets(h, len(writes_), writes_, 0, None)
         vk.vkCmdBindPipeline(self.cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, kernel.pipeline)
-        vk.vkCmdBindDescriptorSets(self.cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, kernel.layout, 0, 1, [dset], 0, None)
+        vk.vkCmdBindDescriptorSets(self.cmd, vk.VK_PIPELINE_BIND_POINT_COMPUTE, kernel.layout, 0, 1,
+                                   [dset], 0, None)
         if push:
             data = vk.ffi.new("char[]", push)
             self._keep.append(data)
-            vk.vkCmdPushConstants(self.cmd, kernel.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0, len(push), data)
+            vk.vkCmdPushConstants(self.cmd, kernel.layout, vk.VK_SHADER_STAGE_COMPUTE_BIT, 0,
+                                  len(push), data)
         vk.vkCmdDispatch(self.cmd, *groups)
         self.n_dispatches += 1
 
     def copy(self, src, dst, nbytes: int, dst_offset: int = 0):
         self._keep.extend((src, dst))
         self._hazard([src.handle], [dst.handle])
-        vk.vkCmdCopyBuffer(self.cmd, src.handle, dst.handle, 1, [vk.VkBufferCopy(srcOffset=0, dstOffset=dst_offset,
-                                                                                 size=max(nbytes, 4))])
+        region = vk.VkBufferCopy(srcOffset=0, dstOffset=dst_offset, size=max(nbytes, 4))
+        vk.vkCmdCopyBuffer(self.cmd, src.handle, dst.handle, 1, [region])
 
     def finish(self):
         vkcall(vk.vkEndCommandBuffer, self.cmd)
@@ -99,7 +108,8 @@ class Recording:
         # Prebuilt submit structures: replay costs one vkQueueSubmit + one fence wait.
         self._cmds = vk.ffi.new("VkCommandBuffer[1]", [self.cmd])
         self._submit = vk.ffi.new("VkSubmitInfo*", {"sType": vk.VK_STRUCTURE_TYPE_SUBMIT_INFO,
-                                                     "commandBufferCount": 1, "pCommandBuffers": self._cmds})
+                                                    "commandBufferCount": 1,
+                                                    "pCommandBuffers": self._cmds})
         self._fences = vk.ffi.new("VkFence[1]", [self.fence])
         return self
 
@@ -107,8 +117,10 @@ class Recording:
         if not self._closed:
             self.finish()
         lib, h = vk.lib, self.device.handle
-        check(lib.vkQueueSubmit(self.device.queue, 1, self._submit, self.fence), "vkQueueSubmit", self.label)
-        check(lib.vkWaitForFences(h, 1, self._fences, vk.VK_TRUE, _WAIT_FOREVER), "vkWaitForFences", self.label)
+        check(lib.vkQueueSubmit(self.device.queue, 1, self._submit, self.fence), "vkQueueSubmit",
+              self.label)
+        check(lib.vkWaitForFences(h, 1, self._fences, vk.VK_TRUE, _WAIT_FOREVER), "vkWaitForFences",
+              self.label)
         check(lib.vkResetFences(h, 1, self._fences), "vkResetFences")
 
     def release(self):

@@ -29,12 +29,15 @@ class Device:
         qinfo = vk.VkDeviceQueueCreateInfo(queueFamilyIndex=self.queue_family, queueCount=1,
                                           pQueuePriorities=[1.0])
         # Ask only for the optional features the device has; kernels check self.limits first.
-        s16 = vk.VkPhysicalDevice16BitStorageFeatures(storageBuffer16BitAccess=int(info.limits.storage16))
+        s16 = vk.VkPhysicalDevice16BitStorageFeatures(
+            storageBuffer16BitAccess=int(info.limits.storage16))
         f16 = vk.VkPhysicalDeviceShaderFloat16Int8Features(
             pNext=s16, shaderFloat16=int(info.limits.float16), shaderInt8=int(info.limits.int8))
-        s8 = vk.VkPhysicalDevice8BitStorageFeatures(pNext=f16, storageBuffer8BitAccess=int(info.limits.int8))
+        s8 = vk.VkPhysicalDevice8BitStorageFeatures(pNext=f16,
+                                                    storageBuffer8BitAccess=int(info.limits.int8))
         chain, extensions = s8, []
-        if info.limits.cooperative_matrix:      # the cooperative-matrix matmul (vkdsl.matmul, variant coop)
+        # the cooperative-matrix matmul (vkdsl.matmul, variant coop)
+        if info.limits.cooperative_matrix:
             coop = vk.VkPhysicalDeviceCooperativeMatrixFeaturesKHR(
                 sType=vk.VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR,
                 pNext=s8, cooperativeMatrix=1)
@@ -42,14 +45,18 @@ class Device:
             extensions = ["VK_KHR_cooperative_matrix"]
         core = vk.VkPhysicalDeviceFeatures2(pNext=chain, features=vk.VkPhysicalDeviceFeatures(
             shaderInt64=int(info.limits.int64)))
-        create = vk.VkDeviceCreateInfo(pNext=core, queueCreateInfoCount=1, pQueueCreateInfos=[qinfo],
-                                       enabledExtensionCount=len(extensions), ppEnabledExtensionNames=extensions)
+        create = vk.VkDeviceCreateInfo(pNext=core, queueCreateInfoCount=1,
+                                       pQueueCreateInfos=[qinfo],
+                                       enabledExtensionCount=len(extensions),
+                                       ppEnabledExtensionNames=extensions)
         self.handle = vkcall(vk.vkCreateDevice, pd, create, None)
         self.queue = vk.vkGetDeviceQueue(self.handle, self.queue_family, 0)
         self.command_pool = vkcall(vk.vkCreateCommandPool, self.handle, vk.VkCommandPoolCreateInfo(
-            flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT, queueFamilyIndex=self.queue_family), None)
+            flags=vk.VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
+            queueFamilyIndex=self.queue_family), None)
         self.memory_properties = vk.vkGetPhysicalDeviceMemoryProperties(pd)
-        self.kernels = {}          # (spirv digest, binding count, push size, ...) -> Kernel, built once
+        # (spirv digest, binding count, push size, ...) -> Kernel, built once
+        self.kernels = {}
         self.pipeline_cache = PipelineCache(self)      # the driver's, kept on disk between runs
         self.allocated_bytes = 0   # live device memory, for memory-honesty reports
         self.peak_bytes = 0
@@ -58,7 +65,8 @@ class Device:
     def memory_budget(self) -> int:
         """Bytes vkdsl may allocate: the largest device-local heap, or $VKDSL_DEVICE_MEMORY_LIMIT
         (bytes; K/M/G suffixes) when that is smaller."""
-        heap = max((b for b, local in self.info.heaps if local), default=max(b for b, _ in self.info.heaps))
+        heap = max((b for b, local in self.info.heaps if local),
+                   default=max(b for b, _ in self.info.heaps))
         limit = os.environ.get("VKDSL_DEVICE_MEMORY_LIMIT")
         return min(heap, parse_bytes(limit)) if limit else heap
 
@@ -90,7 +98,8 @@ def parse_bytes(text: str) -> int:
     except (ValueError, OverflowError):
         n = 0
     if n <= 0:
-        raise ValueError(f"VKDSL_DEVICE_MEMORY_LIMIT={text!r}: expected a positive number of bytes, e.g. 512M or 2G")
+        raise ValueError(f"VKDSL_DEVICE_MEMORY_LIMIT={text!r}: expected a positive number of "
+                         f"bytes, e.g. 512M or 2G")
     return n
 
 
@@ -106,7 +115,8 @@ def open_device(spec=None, announce: bool = False) -> Device:
     if _default is not None and _default.info.index == info.index:
         return _default
     if _default is not None:
-        raise RuntimeError(f"vkdsl already runs on {_default.info.describe()}; one device per process")
+        raise RuntimeError(f"vkdsl already runs on {_default.info.describe()}; one device "
+                           f"per process")
     instance()
     _default = Device(info)
     if announce:

@@ -31,9 +31,11 @@ class Limits:
     int8: bool
     int64: bool              # shaderInt64: 64-bit integer types (the 8-float matmul loads)
     subgroup_arithmetic: bool = False   # subgroupAdd/Max/... in compute shaders
-    cooperative_matrix: bool = False    # VK_KHR_cooperative_matrix with an fp16 x fp16 + fp32 subgroup shape
+    # VK_KHR_cooperative_matrix with an fp16 x fp16 + fp32 subgroup shape
+    cooperative_matrix: bool = False
     coopmat_shapes: tuple = ()          # ((M, N, K), ...) of those shapes, as the driver lists them
-    max_texel_elements: int = 0         # uniform texel buffers (r32 / rgba32, float and uint); 0: none
+    # uniform texel buffers (r32 / rgba32, float and uint); 0: none
+    max_texel_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,16 +79,19 @@ def _info(index: int, pd) -> DeviceInfo:
     f16 = vk.VkPhysicalDeviceShaderFloat16Int8Features(pNext=s16)
     vk.vkGetPhysicalDeviceFeatures2(pd, vk.VkPhysicalDeviceFeatures2(pNext=f16))
     mem = vk.vkGetPhysicalDeviceMemoryProperties(pd)
-    heaps = tuple((mem.memoryHeaps[i].size, bool(mem.memoryHeaps[i].flags & vk.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT))
+    heaps = tuple((mem.memoryHeaps[i].size,
+                   bool(mem.memoryHeaps[i].flags & vk.VK_MEMORY_HEAP_DEVICE_LOCAL_BIT))
                   for i in range(mem.memoryHeapCount))
     want = vk.VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT | vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT
     # Unified memory: the largest device-local heap is host-mappable (CPU drivers, integrated
     # GPUs). A small host-visible window (a discrete GPU's 256 MiB BAR) does not count.
     big = max(range(mem.memoryHeapCount), key=lambda i: (heaps[i][1], heaps[i][0]))
-    unified = any((mem.memoryTypes[i].propertyFlags & want) == want and mem.memoryTypes[i].heapIndex == big
+    unified = any((mem.memoryTypes[i].propertyFlags & want) == want
+                  and mem.memoryTypes[i].heapIndex == big
                   for i in range(mem.memoryTypeCount))
     L = props.limits
-    coop = _coopmat_shapes(pd) if "VK_KHR_cooperative_matrix" in _extensions(pd) and f16.shaderFloat16 else ()
+    coop = (_coopmat_shapes(pd) if "VK_KHR_cooperative_matrix" in _extensions(pd)
+            and f16.shaderFloat16 else ())
     limits = Limits(
         max_storage_buffer_range=L.maxStorageBufferRange,
         max_workgroup_size=tuple(L.maxComputeWorkGroupSize),
@@ -101,7 +106,8 @@ def _info(index: int, pd) -> DeviceInfo:
                                  and sub.supportedStages & vk.VK_SHADER_STAGE_COMPUTE_BIT),
         cooperative_matrix=bool(coop), coopmat_shapes=coop,
         max_texel_elements=L.maxTexelBufferElements if _texel_formats(pd) else 0)
-    return DeviceInfo(index=index, name=props.deviceName, kind=_TYPE_NAMES.get(props.deviceType, "other"),
+    return DeviceInfo(index=index, name=props.deviceName,
+                      kind=_TYPE_NAMES.get(props.deviceType, "other"),
                       driver=vk.ffi.string(drv.driverName).decode(errors="replace"),
                       driver_info=vk.ffi.string(drv.driverInfo).decode(errors="replace"),
                       api_version=_version(props.apiVersion), heaps=heaps,
@@ -161,8 +167,9 @@ def _validation_request():
 
 
 def icd_problems() -> str:
-    """What is wrong with the driver files $VK_ICD_FILENAMES / $VK_DRIVER_FILES name ('' when nothing
-    is, or when neither is set): a missing or unreadable file, or a library_path that is not there."""
+    """What is wrong with the driver files $VK_ICD_FILENAMES / $VK_DRIVER_FILES name ('' when
+    nothing is, or when neither is set): a missing or unreadable file, or a library_path that is not
+    there."""
     import json
     names = os.environ.get("VK_DRIVER_FILES") or os.environ.get("VK_ICD_FILENAMES") or ""
     bad = []
@@ -175,7 +182,8 @@ def icd_problems() -> str:
         except (ValueError, KeyError, TypeError):
             bad.append(f"{name}: not a Vulkan ICD file (expected JSON with ICD.library_path)")
             continue
-        path = lib if os.path.isabs(lib) else os.path.join(os.path.dirname(os.path.abspath(name)), lib)
+        path = (lib if os.path.isabs(lib)
+                else os.path.join(os.path.dirname(os.path.abspath(name)), lib))
         if ("/" in lib or os.path.isabs(lib)) and not os.path.exists(path):
             bad.append(f"{name}: its library_path {lib} does not exist")
     return "; ".join(bad)
@@ -185,17 +193,21 @@ def instance():
     """The process-wide VkInstance (Vulkan 1.2: we need its driver-properties query)."""
     global _instance
     if _instance is None:
-        app = vk.VkApplicationInfo(pApplicationName="vkdsl", applicationVersion=1, pEngineName="vkdsl",
-                                   engineVersion=1, apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
+        app = vk.VkApplicationInfo(pApplicationName="vkdsl", applicationVersion=1,
+                                   pEngineName="vkdsl", engineVersion=1,
+                                   apiVersion=vk.VK_MAKE_VERSION(1, 2, 0))
         mode, extra = _validation_request(), {}
         if mode:
             extra = dict(enabledLayerCount=1, ppEnabledLayerNames=[VALIDATION_LAYER])
             if mode == "sync":
                 extra["pNext"] = vk.VkValidationFeaturesEXT(
                     enabledValidationFeatureCount=1,
-                    pEnabledValidationFeatures=[vk.VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT])
-        _instance = vkcall(vk.vkCreateInstance, vk.VkInstanceCreateInfo(pApplicationInfo=app, **extra), None,
-                           detail=icd_problems() or "is a Vulkan driver installed (mesa-vulkan-drivers for the CPU)?")
+                    pEnabledValidationFeatures=[
+                        vk.VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT])
+        _instance = vkcall(vk.vkCreateInstance,
+                           vk.VkInstanceCreateInfo(pApplicationInfo=app, **extra), None,
+                           detail=icd_problems()
+                           or "is a Vulkan driver installed (mesa-vulkan-drivers for the CPU)?")
     return _instance
 
 

@@ -12,10 +12,12 @@ from .errors import VulkanError, vkcall
 
 _USAGE = (vk.VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | vk.VK_BUFFER_USAGE_UNIFORM_TEXEL_BUFFER_BIT |
           vk.VK_BUFFER_USAGE_TRANSFER_SRC_BIT | vk.VK_BUFFER_USAGE_TRANSFER_DST_BIT)
-# Read-only views a kernel may bind instead of a storage buffer (GLSL samplerBuffer / usamplerBuffer):
+# Read-only views a kernel may bind instead of a storage buffer (GLSL samplerBuffer /
+# usamplerBuffer):
 # name -> (VkFormat, bytes per texel). On lavapipe a texelFetch is a vector gather while a storage
 # buffer load is a branchy loop over the SIMD lanes, ~18x slower per vec4 (BENCHMARKS.md).
-TEXEL_FORMATS = {"r32f": (vk.VK_FORMAT_R32_SFLOAT, 4), "rgba32f": (vk.VK_FORMAT_R32G32B32A32_SFLOAT, 16),
+TEXEL_FORMATS = {"r32f": (vk.VK_FORMAT_R32_SFLOAT, 4),
+                 "rgba32f": (vk.VK_FORMAT_R32G32B32A32_SFLOAT, 16),
                  "r32ui": (vk.VK_FORMAT_R32_UINT, 4), "rg32ui": (vk.VK_FORMAT_R32G32_UINT, 8),
                  "rgba32ui": (vk.VK_FORMAT_R32G32B32A32_UINT, 16)}
 HOST = vk.VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | vk.VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
@@ -62,7 +64,8 @@ class Buffer:
         size = max(self.nbytes, 16)          # Vulkan forbids empty buffers; round tiny ones up
         if size > device.limits.max_storage_buffer_range and not host:
             raise ValueError(f"buffer {label or ''} of {size} bytes exceeds the device's "
-                             f"maxStorageBufferRange of {device.limits.max_storage_buffer_range} bytes")
+                             f"maxStorageBufferRange of "
+                             f"{device.limits.max_storage_buffer_range} bytes")
         if host is not True:                  # staging buffers are transient host memory
             device.reserve(size, f"buffer {label or ''}".strip())
         h = device.handle
@@ -80,15 +83,16 @@ class Buffer:
         device.peak_bytes = max(device.peak_bytes, device.allocated_bytes)
         self._mapped = vkcall(vk.vkMapMemory, h, self.memory, 0, size, 0) if self.host else None
         self._size, self._views = size, {}
-        self._finalizer = weakref.finalize(self, _release, h, self.handle, self.memory, device, req.size,
-                                           self._views)
+        self._finalizer = weakref.finalize(self, _release, h, self.handle, self.memory, device,
+                                           req.size, self._views)
 
     def texel_view(self, fmt: str):
         """A uniform-texel-buffer view of the whole buffer (as many texels as fit), made once."""
         if fmt not in self._views:
             vkfmt, size = TEXEL_FORMATS[fmt]
             texels = min(self._size // size, self.device.limits.max_texel_elements)
-            self._views[fmt] = vkcall(vk.vkCreateBufferView, self.device.handle, vk.VkBufferViewCreateInfo(
+            self._views[fmt] = vkcall(vk.vkCreateBufferView, self.device.handle,
+                                      vk.VkBufferViewCreateInfo(
                 buffer=self.handle, format=vkfmt, offset=0, range=texels * size), None,
                 detail=f"a {fmt} view of {self.label or 'a buffer'}")
         return self._views[fmt]
@@ -103,7 +107,8 @@ class Buffer:
     def write(self, data: np.ndarray, offset: int = 0):
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if offset + raw.nbytes > self.nbytes:
-            raise ValueError(f"writing {raw.nbytes} bytes at offset {offset} into a {self.nbytes}-byte buffer")
+            raise ValueError(f"writing {raw.nbytes} bytes at offset {offset} into a "
+                             f"{self.nbytes}-byte buffer")
         if self.host:
             self.view()[offset:offset + raw.nbytes] = raw
             return
@@ -128,7 +133,8 @@ class Buffer:
         self._finalizer()
 
     def __repr__(self):
-        return f"Buffer({self.label or '?'}, {self.nbytes} B, {'host' if self.host else 'device-local'})"
+        return (f"Buffer({self.label or '?'}, {self.nbytes} B, "
+                f"{'host' if self.host else 'device-local'})")
 
 
 def _copy_now(src: Buffer, dst: Buffer, nbytes: int, dst_offset: int = 0):

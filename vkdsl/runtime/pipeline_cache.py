@@ -29,7 +29,8 @@ def _identity(pd) -> tuple[int, int, int, bytes]:
 def cache_path(pd) -> str:
     from ..compiler.cache import cache_dir
     vendor, device, driver, uuid = _identity(pd)
-    return os.path.join(cache_dir(), "pipelines", f"{vendor:04x}-{device:04x}-{driver:08x}-{uuid.hex()}.bin")
+    return os.path.join(cache_dir(), "pipelines",
+                        f"{vendor:04x}-{device:04x}-{driver:08x}-{uuid.hex()}.bin")
 
 
 def load(pd) -> bytes:
@@ -41,32 +42,38 @@ def load(pd) -> bytes:
     except FileNotFoundError:
         return b""
     except OSError as e:
-        print(f"vkdsl: cannot read the pipeline cache {path} ({e}); building pipelines afresh", file=sys.stderr)
+        print(f"vkdsl: cannot read the pipeline cache {path} ({e}); building pipelines afresh",
+              file=sys.stderr)
         return b""
     vendor, device, _, uuid = _identity(pd)
     head = HEADER.unpack_from(data) if len(data) >= HEADER.size else None
-    if head is None or head[0] < HEADER.size or head[0] > len(data) or head[1:] != (1, vendor, device, uuid):
-        print(f"vkdsl: pipeline cache {path} is damaged or from another driver; rebuilding it", file=sys.stderr)
+    if (head is None or head[0] < HEADER.size or head[0] > len(data)
+        or head[1:] != (1, vendor, device, uuid)):
+        print(f"vkdsl: pipeline cache {path} is damaged or from another driver; rebuilding it",
+              file=sys.stderr)
         return b""
     return data
 
 
 class PipelineCache:
-    """A VkPipelineCache seeded from disk; written back at exit when the driver put pipelines in it."""
+    """A VkPipelineCache seeded from disk; written back at exit when the driver put pipelines in
+    it."""
 
     def __init__(self, device):
         pd = device.info.handle
         self.path, data = cache_path(pd), load(pd)
         self._seeded = len(data)
         info = vk.VkPipelineCacheCreateInfo(initialDataSize=len(data),
-                                            pInitialData=vk.ffi.from_buffer(data) if data else vk.ffi.NULL)
+                                            pInitialData=vk.ffi.from_buffer(data) if data
+                                            else vk.ffi.NULL)
         self.handle = vkcall(vk.vkCreatePipelineCache, device.handle, info, None)
         ref = weakref.ref(device)
         atexit.register(lambda: ref() is not None and self.save(ref()))
 
     def data(self, device) -> bytes:
         n = vk.ffi.new("size_t*")
-        if vk.lib.vkGetPipelineCacheData(device.handle, self.handle, n, vk.ffi.NULL) != vk.VK_SUCCESS:
+        if vk.lib.vkGetPipelineCacheData(device.handle, self.handle, n,
+                                         vk.ffi.NULL) != vk.VK_SUCCESS:
             return b""
         buf = vk.ffi.new("char[]", n[0])
         if vk.lib.vkGetPipelineCacheData(device.handle, self.handle, n, buf) != vk.VK_SUCCESS:
@@ -75,9 +82,11 @@ class PipelineCache:
 
     def save(self, device):
         data = self.data(device)
-        if len(data) <= HEADER.size or len(data) == self._seeded:    # nothing the driver keeps, or nothing new
+        # nothing the driver keeps, or nothing new
+        if len(data) <= HEADER.size or len(data) == self._seeded:
             return
         try:
             atomic_write(self.path, data)
         except OSError as e:                 # a read-only home must not stop the run
-            print(f"vkdsl: cannot write the pipeline cache ({e}); continuing without it", file=sys.stderr)
+            print(f"vkdsl: cannot write the pipeline cache ({e}); continuing without it",
+                  file=sys.stderr)

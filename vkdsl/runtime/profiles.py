@@ -28,24 +28,31 @@ class Profile:
 
 
 PROFILES = {p.name: p for p in (
-    Profile("minimal", "Vulkan 1.1 core only: no fp16, 16-bit storage, int8, int64 or subgroup arithmetic; "
-            "128 invocations, 16 KiB shared memory, 128 MiB per binding, 65,536 texels per texel buffer, "
-            "subgroup 4", None,
-            dict(max_workgroup_invocations=128, max_workgroup_size=(128, 128, 64), max_shared_memory=16 * KiB,
-                 max_storage_buffer_range=128 * MiB, subgroup_size=4, max_push_constants=128,
-                 max_texel_elements=65536), ()),
-    Profile("mobile-mali", "a Mali-like mobile GPU: subgroup 16, 32 KiB shared memory, 256 invocations, fp16",
-            "gpu", dict(max_workgroup_invocations=256, max_workgroup_size=(256, 256, 64), max_shared_memory=32 * KiB,
-                        max_storage_buffer_range=GiB, subgroup_size=16, max_push_constants=128),
+    Profile("minimal",
+            "Vulkan 1.1 core only: no fp16, 16-bit storage, int8, int64 or subgroup arithmetic; "
+            "128 invocations, 16 KiB shared memory, 128 MiB per binding, 65,536 texels per "
+            "texel buffer, subgroup 4", None,
+            dict(max_workgroup_invocations=128, max_workgroup_size=(128, 128, 64),
+                 max_shared_memory=16 * KiB, max_storage_buffer_range=128 * MiB, subgroup_size=4,
+                 max_push_constants=128, max_texel_elements=65536), ()),
+    Profile("mobile-mali",
+            "a Mali-like mobile GPU: subgroup 16, 32 KiB shared memory, 256 invocations, fp16",
+            "gpu", dict(max_workgroup_invocations=256, max_workgroup_size=(256, 256, 64),
+                        max_shared_memory=32 * KiB, max_storage_buffer_range=GiB, subgroup_size=16,
+                        max_push_constants=128),
             ("float16", "storage16", "int8", "subgroup_arithmetic")),
-    Profile("amd-rdna", "an RDNA-like GPU: subgroup 64, 64 KiB shared memory, 1024 invocations, fp16, int8 dot",
+    Profile("amd-rdna",
+            "an RDNA-like GPU: subgroup 64, 64 KiB shared memory, 1024 invocations, fp16, int8 dot",
             "gpu", dict(max_workgroup_invocations=1024, max_workgroup_size=(1024, 1024, 1024),
-                        max_shared_memory=64 * KiB, max_storage_buffer_range=4 * GiB - 1, subgroup_size=64),
+                        max_shared_memory=64 * KiB, max_storage_buffer_range=4 * GiB - 1,
+                        subgroup_size=64),
             ("float16", "storage16", "int8", "int64", "subgroup_arithmetic")),
-    Profile("nvidia", "an NVIDIA-like GPU: subgroup 32, 48 KiB shared memory, 1024 invocations, fp16, "
+    Profile("nvidia",
+            "an NVIDIA-like GPU: subgroup 32, 48 KiB shared memory, 1024 invocations, fp16, "
             "cooperative matrices", "gpu",
-            dict(max_workgroup_invocations=1024, max_workgroup_size=(1024, 1024, 64), max_shared_memory=48 * KiB,
-                 max_storage_buffer_range=4 * GiB - 1, subgroup_size=32),
+            dict(max_workgroup_invocations=1024, max_workgroup_size=(1024, 1024, 64),
+                 max_shared_memory=48 * KiB, max_storage_buffer_range=4 * GiB - 1,
+                 subgroup_size=32),
             ("float16", "storage16", "int8", "int64", "subgroup_arithmetic", "cooperative_matrix")),
 )}
 
@@ -61,7 +68,8 @@ def named(name: str | None = None) -> Profile | None:
     if not name or name == "none":
         return None
     if name not in PROFILES:
-        raise ProfileError(f"profile {name!r} is not known; known profiles: {', '.join(PROFILES)} (or none)")
+        raise ProfileError(f"profile {name!r} is not known; known profiles: {', '.join(PROFILES)} "
+                           f"(or none)")
     return PROFILES[name]
 
 

@@ -1,0 +1,74 @@
+"""Golden cases of the quantized formats: int4 / NF4 round trips and the GGUF block decoders,
+their inputs drawn as raw block bytes (random codes, finite f16 scales of either sign)."""
+from __future__ import annotations
+
+import numpy as np
+
+from .cases import SIGNED, Case, N, U, shp
+
+
+# GGUF block layouts: (bytes per 32-weight block, byte builder)
+def _f16_bytes(x):
+    return np.asarray(x, dtype="<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _q8_0(r, nb):
+    d = SIGNED(r, U(r, (nb,), 1e-4, 1e-2))
+    return np.concatenate([_f16_bytes(d), r.integers(0, 256, (nb, 32)).astype(np.uint8)], 1)
+
+
+def _f16_weights(r, nb):
+    """nb ranges of 32 halves: log-uniform magnitudes over 1e-4..5e4, subnormals and zeros."""
+    w = SIGNED(r, (10.0 ** U(r, (nb * 32,), -4.0, 4.7)).astype(np.float32))
+    w[::7] = 3e-6                    # subnormal in f16
+    w[1::11] = 0.0
+    return _f16_bytes(w).reshape(nb, 64)
+
+
+def _kquant(nbytes, f16_at):
+    """K-quant super-blocks: random code, scale and high-bit bytes; finite f16 scales of either
+    sign at the given byte offsets (d, and dmin right after it for Q4_K / Q5_K)."""
+    def make(r, nb):
+        b = r.integers(0, 256, (nb, nbytes)).astype(np.uint8)
+        for at in f16_at:
+            k = 2 if nbytes == 210 else 4
+            b[:, at:at + k] = _f16_bytes(SIGNED(r, U(r, (nb * k // 2,), 1e-3, 2e-2))).reshape(nb, k)
+        return b
+    return make
+
+
+def _q4_0(r, nb):
+    d = SIGNED(r, U(r, (nb,), 1e-4, 1e-2))
+    return np.concatenate([_f16_bytes(d), r.integers(0, 256, (nb, 16)).astype(np.uint8)], 1)
+
+
+def _q4_1(r, nb):
+    d, m = U(r, (nb,), 1e-4, 1e-2), U(r, (nb,), -0.1, 0.1)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(m),
+                           r.integers(0, 256, (nb, 16)).astype(np.uint8)], 1)
+
+
+def quant_cases():
+    out = []
+    for shape in [(7, 128), (3, 320)]:
+        def mk(r, s=shape):
+            x = N(r, s)
+            if s == (3, 320):
+                x[1, 64:128] = 0.0      # an all-zero group: scale 0, codes 0
+                x[2, 5] = 40.0          # an outlier dominating its group
+            return [x]
+        out.append(Case(f"int4_roundtrip[{shp(shape)}]", "int4_roundtrip", {"group": 64}, mk))
+    for shape in [(3, 128), (257, 64)]:  # 257 blocks -> 2 double-quant blocks, the last partial
+        out.append(Case(f"nf4_roundtrip[{shp(shape)}]", "nf4_roundtrip",
+                        {"block": 64, "scale_block": 256}, lambda r, s=shape: [N(r, s)]))
+    for op, fn in [("dequant_q8_0", _q8_0), ("dequant_q4_0", _q4_0), ("dequant_q4_1", _q4_1),
+                   ("dequant_f16", _f16_weights)]:
+        for rows, cols in [(1, 32), (3, 64), (7, 576)]:
+            out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
+                            lambda r, f=fn, n=rows * cols // 32: [f(r, n).ravel()]))
+    for op, fn in [("dequant_q4_k", _kquant(144, (0,))), ("dequant_q5_k", _kquant(176, (0,))),
+                   ("dequant_q6_k", _kquant(210, (208,)))]:
+        for rows, cols in [(1, 256), (3, 512)]:
+            out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
+                            lambda r, f=fn, n=rows * cols // 256: [f(r, n).ravel()]))
+    return out
