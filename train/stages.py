@@ -41,9 +41,10 @@ def _dpo_loop(r, obj, opt, stop_after=None):
     def save(at):
         checkpoint.save(r.dir, at, r.names, [p.numpy() for p in r.params], opt.state(),
                         obj.order.state(), identity, name=checkpoint.DPO)
+    def saved_step():
+        return checkpoint.saved_step(r.dir, checkpoint.DPO) or "none"
     step, finished = loop.train(obj, r.params, opt, r.group, step, save, cfg.checkpoint_every, (),
-                                stop_after,
-                                lambda: checkpoint.saved_step(r.dir, checkpoint.DPO) or "none")
+                                stop_after, saved_step)
     if not finished:
         raise loop.Interrupted(f"DPO stopped after step {step} (stop_after)")
     if not cfg.checkpoint_every or step % cfg.checkpoint_every:
@@ -118,8 +119,8 @@ def export(r, dpo_ev=None):
     cfg = r.cfg
     dev = default_device().info
     summary = {"objective": cfg.objective, "sft_steps": r.step,
-               "dpo_steps": cfg.dpo_steps if "dpo" in cfg.objective
-               else 0, "final": r.final.json() if r.final else None,
+               "dpo_steps": cfg.dpo_steps if "dpo" in cfg.objective else 0,
+               "final": r.final.json() if r.final else None,
                "gates": [g.record() for g in r.gates], "dpo": dpo_ev.json() if dpo_ev else None}
     extra = {"data": {k: {"file": getattr(cfg, k), "sha256": file_sha256(getattr(cfg, k))}
                       for k in ("train_file", "heldout_file", "preservation_file", "dpo_train_file",
