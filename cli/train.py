@@ -70,8 +70,7 @@ def _verify(rep, precision, tokens):
 
 
 def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
-    """The run's settings and folder: defaults <- TOML <- flags, or a resumed run's own config <-
-    flags."""
+    """The run's settings and folder: defaults <- TOML <- flags, or a resume's config <- flags."""
     if resume:
         saved = Path(resume) / "config.json"
         if not saved.is_file():

@@ -22,8 +22,8 @@ __all__ = ["int4_quantize", "int4_dequantize", "int4_roundtrip",
 # ---------------------------------------------------------------------------------------
 
 def pack_nibbles(codes) -> np.ndarray:
-    """(..., 2k) codes (their low 4 bits) -> (..., k) uint8; byte = c[2j] & 15 | (c[2j+1] & 15) <<
-    4."""
+    """(..., 2k) codes (their low 4 bits) -> (..., k) uint8:
+    byte = c[2j] & 15 | (c[2j+1] & 15) << 4."""
     c = np.asarray(codes).astype(np.int64) & 0xF
     if c.shape[-1] % 2:
         raise ValueError("need an even number of codes along the last axis")

@@ -48,9 +48,9 @@ def spans_mask(spans: Tensor) -> Tensor:
 
 def fused_applies(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> bool:
     """The kernels give each workgroup 64 queries (or keys) of one (batch, kv head): with a handful
-    of queries (decode) most lanes idle and the composite is faster. They load 8 floats at a time (D
-    % 8 == 0: as 64-bit integers with shaderInt64, else as two vec4: kernels/pack8.glsl) and keep G
-    = Hq / Hkv heads of D floats in registers."""
+    of queries (decode) most lanes idle and the composite is faster. They load 8 floats at a time
+    (D % 8 == 0: as 64-bit integers with shaderInt64, else as two vec4: kernels/pack8.glsl) and keep
+    G = Hq / Hkv heads of D floats in registers."""
     B, Tq, Hq, D = q.shape
     return (Tq >= 16 and D % 8 == 0 and D <= 256 and k.ndim == 4 and k.shape[0] == B
             and Hq % k.shape[2] == 0

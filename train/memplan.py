@@ -158,12 +158,14 @@ def check(r, say) -> dict:
     if p["total"] <= p["budget"]:
         return p
     hint = next((c for c in alternatives(r.cfg) if plan(r, c)["total"] <= p["budget"]), None)
-    fix = (f"checkpoint = {hint.checkpoint}, batch_size = {hint.batch_size}, grad_accum = "
-           f"{hint.grad_accum}, eval_batch = {hint.eval_batch}"
-           + (f", activations = {hint.activations}" if hint.activations !=
-              r.cfg.activations else "") + " fits" if hint else
-           "no checkpointing, batch split or fp16 activations fits: shorten max_len/window or "
-           "quantize the base")
+    if hint is None:
+        fix = ("no checkpointing, batch split or fp16 activations fits: shorten max_len/window or "
+               "quantize the base")
+    else:
+        fp16 = (f", activations = {hint.activations}"
+                if hint.activations != r.cfg.activations else "")
+        fix = (f"checkpoint = {hint.checkpoint}, batch_size = {hint.batch_size}, grad_accum = "
+               f"{hint.grad_accum}, eval_batch = {hint.eval_batch}{fp16} fits")
     big = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in p["parts"].items() if v >= MiB)
     raise MemoryPlanError(f"the run needs {p['total'] / MiB:.0f} MiB of device memory ({big}) and "
                           f"the budget is {p['budget'] / MiB:.0f} MiB: {fix}")

@@ -57,9 +57,9 @@ class Run:
             self.ckpt, self.tok = files if files is not None else load_model_files(path)
             self.model = build_model(self.ckpt, quant=cfg.quant)
         # what a resume and the caches must find unchanged: the base, tokenizer, settings and rows
-        files = {"train_file": cfg.train_file,
-                 "dpo_train_file": cfg.dpo_train_file if "dpo" in cfg.objective else ""}
-        self.identity = identity.of_run(path, self.tok, cfg.quant, cfg.precision, files)
+        data = {"train_file": cfg.train_file,
+                "dpo_train_file": cfg.dpo_train_file if "dpo" in cfg.objective else ""}
+        self.identity = identity.of_run(path, self.tok, cfg.quant, cfg.precision, data)
         if cfg.max_len > self.model.cfg.context_length:
             raise ValueError(f"max_len {cfg.max_len} is beyond the model's context of "
                              f"{self.model.cfg.context_length} tokens ({path})")
@@ -196,8 +196,8 @@ class Run:
         """What the base model's evaluation depends on: base, tokenizer, data files and the settings
         that shape the scored rows."""
         c = self.cfg
-        files = {"heldout": c.heldout_file, "preservation": c.preservation_file}
-        shas = {k: identity.file_sha256(f) if f else "" for k, f in files.items()}
+        scored = {"heldout": c.heldout_file, "preservation": c.preservation_file}
+        shas = {k: identity.file_sha256(f) if f else "" for k, f in scored.items()}
         return identity.digest({**self.identity, "layout": "Evidence", **shas,
                                 "settings": [c.labels, c.label_eval, c.chat_template, c.max_len,
                                              c.truncation_side, c.bucket, c.eval_batch,

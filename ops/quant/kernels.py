@@ -174,8 +174,7 @@ def record_dequant(rec, plan: QuantPlan, W, *qbuffers):
 
 
 def plan_quantize(dev, fmt, *, N: int, K: int) -> QuantPlan:
-    """fp32 -> int4 / int4_f16 / nf4 on the device, the same bytes as quantize_int4 /
-    quantize_nf4."""
+    """fp32 -> int4 / int4_f16 / nf4 on the device: the bytes of quantize_int4 / quantize_nf4."""
     f = get_format(fmt)
     check_shape(f, N, K)
     push = QUANT_PUSH.pack(N, K)
