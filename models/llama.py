@@ -137,6 +137,11 @@ class Llama:
         fp32 = sum(w.fp32_bytes for w in ws) + sum(t.size * 4 for t in vectors)
         return {"device_bytes": dev, "fp32_bytes": fp32}
 
+    @property
+    def table_bytes(self) -> int:
+        """Device bytes of the RoPE tables (cos and sin at every position of the context)."""
+        return self._cos.buffer.nbytes + self._sin.buffer.nbytes
+
     # ---- forward ----
     def _lin(self, name, x, adapters_on):
         y = self.linear[name](x)

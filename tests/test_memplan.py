@@ -3,6 +3,7 @@ step is the program the run then builds (its buffers, to 1%), window mode builds
 whatever the rows, a run over its budget is refused in one line naming settings that fit, and
 `vkdsl-train --plan` prints the plan without training."""
 import dataclasses
+import gc
 
 import numpy as np
 import pytest
@@ -72,13 +73,33 @@ def test_a_run_over_its_budget_is_refused_naming_settings_that_fit(setup):
                                                       r"grad_accum = 1, eval_batch = 4 fits"):
         memplan.check(r, lambda s: None)
     r.cfg.device_memory = "1K"
-    with pytest.raises(memplan.MemoryPlanError, match="no checkpointing, batch split or fp16 activations fits"):
+    with pytest.raises(memplan.MemoryPlanError, match="no checkpointing, batch split, stability_rows = 0 or fp16 activations fits"):
         memplan.check(r, lambda s: None)
     alts = memplan.alternatives(r.cfg)              # fp16 saved activations only after every exact setting
     first16 = next(i for i, c in enumerate(alts) if c.activations == "fp16")
     assert first16 > 0 and all(c.activations == "fp16" for c in alts[first16:])
     as32 = dataclasses.replace(alts[first16], activations="fp32")
     assert memplan.plan(r, alts[first16])["total"] < memplan.plan(r, as32)["total"]
+
+
+def test_a_run_that_cannot_fit_is_refused_before_its_weights_reach_the_device(setup, tmp_path):
+    """The model is built with its weights on the host (vkdsl.realize.deferred_uploads) and planned
+    from shapes: the refusal comes with less allocated than the weights alone; a run that fits
+    has every weight on the device once the plan passed."""
+    from vkdsl.runtime import default_device
+    from vkdsl.train.trainer import run
+    tm, tr, _ = setup
+    weights = window_run(setup).model.device_bytes()["device_bytes"]
+    gc.collect()                  # that run's buffers freed now, not during the one measured
+    cfg = tiny_cfg((tm, tr, "", ""), label_eval=False, window=64, batch_size=2, layers="", steps=1,
+                   device_memory="1K")
+    dev = default_device()
+    dev.peak_bytes = before = dev.allocated_bytes
+    with pytest.raises(memplan.MemoryPlanError, match="budget is 0 MiB"):
+        run(cfg, tmp_path / "refused", evidence_at_end=False)
+    assert dev.peak_bytes - before < weights / 2
+    r = run(dataclasses.replace(cfg, device_memory=""), tmp_path / "fits", evidence_at_end=False)
+    assert r.step == 1 and not r.pending and r.model.device_bytes()["device_bytes"] == weights
 
 
 def test_vkdsl_train_plan_prints_the_plan_and_trains_nothing(setup, tmp_path):
@@ -120,3 +141,50 @@ def test_a_window_micro_batch_always_has_batch_size_sequences(setup):
     r = window_run(setup)
     pk = r.stepper.packing([10, 12], 16)
     assert (pk.n_seq, pk.T) == (2, 64) and pk.place == [(0, 0), (0, 10)]
+
+
+def test_the_planned_dpo_step_is_the_program_the_dpo_stage_builds(setup, tmp_path, monkeypatch):
+    """Every pair in each DPO step: the stage builds one DPO program, of the plan's bytes (to 1%),
+    after the SFT step's programs are released; the plan counts the larger of the two steps."""
+    from vkdsl.train import dpo
+    from vkdsl.train.stages import dpo_stage
+    from vkdsl.train.trainer import run
+    tm, tr, _ = setup
+    prefs = write_jsonl(tmp_path / "prefs.jsonl", [
+        {"prompt": " ".join(WORDS[:1 + i % 5]), "chosen": " ".join(WORDS[:1 + i % 3]),
+         "rejected": " ".join(WORDS[2:3 + i % 4])} for i in range(6)])
+    built = []
+    monkeypatch.setattr(dpo, "build_dpo_step",
+                        lambda *a, _b=dpo.build_dpo_step, **k: built.append(_b(*a, **k)) or built[-1])
+    cfg = tiny_cfg((tm, tr, "", ""), label_eval=False, layers="", steps=1, objective="sft+dpo",
+                   dpo_train_file=prefs, dpo_heldout_file="", dpo_steps=2, dpo_batch=6)
+    r = run(cfg, tmp_path / "run", evidence_at_end=False)
+    parts = r.plan["parts"]
+    assert r.plan["total"] == sum(parts.values()) - min(parts["sft step"], parts["dpo step"])
+    dpo_stage(r)
+    assert not r.stepper.fn.programs and not r.stepper.fn_packed.programs
+    progs = [p for p, _, _ in built[-1].programs.values()]
+    assert len(progs) == 1 and program_bytes(progs[0]) == pytest.approx(parts["dpo step"], rel=0.01)
+
+
+def test_a_run_given_exactly_its_plan_as_device_memory_completes_sft_and_dpo(tmp_path, monkeypatch):
+    """The plan is what must fit: with the device's budget set to it (VKDSL_DEVICE_MEMORY_LIMIT),
+    SFT, the final evaluation's fp32 base check and DPO all run (programs of other shapes give way
+    when a program needs the room), and the peak stays within the plan."""
+    from fixtures.train_data import tiny_prefs, tiny_setup
+    from vkdsl.runtime import default_device
+    from vkdsl.train.stages import dpo_stage
+    from vkdsl.train.trainer import run
+    s = tiny_setup(tmp_path)
+    prefs = tiny_prefs(tmp_path / "prefs.jsonl")
+    cfg = tiny_cfg(s, steps=4, objective="sft+dpo", dpo_train_file=prefs, dpo_heldout_file=prefs,
+                   dpo_steps=3, dpo_batch=2, quant="int4", stability_rows=4)
+    total = run(cfg, tmp_path / "plan", plan_only=True).plan["total"]
+    gc.collect()
+    dev = default_device()
+    monkeypatch.setenv("VKDSL_DEVICE_MEMORY_LIMIT", str(dev.allocated_bytes + total))
+    dev.peak_bytes = before = dev.allocated_bytes
+    r = run(cfg, tmp_path / "run")
+    dpo_stage(r)
+    assert r.final.stability_fp32 is not None and len(r.gates) > 10
+    assert dev.peak_bytes - before <= total

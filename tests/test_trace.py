@@ -174,3 +174,34 @@ def test_a_concatenation_of_many_chunks_binds_few_buffers_per_kernel():
     steps, _ = plan([join(*[vkdsl.tensor(x) for x in xs])], [])     # checked before anything runs
     assert max(len(s.inputs) for s in steps) + 1 <= 32           # llvmpipe: 32 buffers per shader, output included
     np.testing.assert_array_equal(np.asarray(vkdsl.trace(join)(*xs)), np.concatenate(xs))
+
+
+def test_programs_of_other_shapes_give_way_when_the_device_is_full(monkeypatch):
+    """Programs stay, one per shape, while memory allows; one that would pass the budget first
+    releases the least recently used programs (of any traced function), and every result is
+    right. With that release disabled the same calls run out of memory."""
+    import gc
+    import importlib
+    from vkdsl.runtime import DeviceMemoryError, default_device
+    trace_mod = importlib.import_module("vkdsl.trace")
+    dev = default_device()
+    gc.collect()
+    n = 1 << 18                                  # a program: its 1 MiB input, a few small buffers
+    fs = [vkdsl.trace(lambda x, k=k: (x * float(k) + 1.0).sum()) for k in (2, 3)]
+    limit = dev.allocated_bytes + int(2.5 * 4 * n)
+    monkeypatch.setenv("VKDSL_DEVICE_MEMORY_LIMIT", str(limit))
+
+    def calls():
+        for i in range(6):                       # six shapes, two functions: three fit at most
+            k = 2 + i % 2
+            x = np.full(n + 64 * i, 0.5, np.float32)
+            assert float(np.asarray(fs[i % 2](x))) == pytest.approx((0.5 * k + 1.0) * x.size)
+            assert dev.allocated_bytes <= limit
+    calls()
+    assert 1 <= sum(len(f.programs) for f in fs) < 6
+    for f in fs:
+        f.programs.clear()
+    gc.collect()
+    monkeypatch.setattr(trace_mod, "release_least_recent", lambda keep=None: False)
+    with pytest.raises(DeviceMemoryError):
+        calls()

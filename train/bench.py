@@ -21,6 +21,7 @@ from vkdsl.models.bench import numpy_forward
 from vkdsl.models.default import default_model_path
 from vkdsl.models.build import build_model
 from vkdsl.models.llama import Llama
+from vkdsl.realize import deferred_uploads, upload_all
 from vkdsl.runtime import default_device
 from vkdsl.runtime.errors import DeviceMemoryError
 
@@ -282,7 +283,10 @@ def bench_train(objective="sft", path=None, checkpoint="none", plan_only=False, 
     TrainConfig(checkpoint=checkpoint, activations=activations).validate()
     (B, T), picked = parse_shape(shape), parse_targets(targets)
     ck, tok = load_model_files(path or default_model_path())
-    model = build_model(ck)
+    with deferred_uploads() as pending:   # --plan: the weights never reach the device
+        model = build_model(ck)
+    if not plan_only:
+        upload_all(pending)
     hybrid = model.cfg.arch == "qwen35"  # no Llama numpy forward beside it; "all": every projection
     modules = {**TARGETS, "all seven": ("all-linear",)} if hybrid else TARGETS
     if objective == "dpo":

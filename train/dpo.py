@@ -66,7 +66,17 @@ def load_pairs(path, tok, use_template, max_len, side) -> tuple[list[Pair], int]
     return pairs, same
 
 
-def _segments(pos, labels, T, B):
+def stage_pairs(cfg, tok) -> tuple[list[Pair], list[Pair], int]:
+    """The DPO stage's (training pairs, held-out pairs, pairs skipped for identical responses),
+    read when the run starts: a bad pair file fails before SFT trains, and the plan sees them."""
+    enc = (cfg.chat_template, cfg.max_len, cfg.truncation_side)
+    pairs, same = load_pairs(cfg.dpo_train_file, tok, *enc)
+    held, same_h = (load_pairs(cfg.dpo_heldout_file, tok, *enc) if cfg.dpo_heldout_file
+                    else ([], 0))
+    return pairs, held, same + same_h
+
+
+def segments(pos, labels, T, B):
     """(B, S) one-hot: which sequence each selected position belongs to (0 for padding)."""
     seg = np.zeros((B, len(pos)), np.float32)
     live = labels != IGNORE
@@ -86,7 +96,7 @@ def build_dpo_step(model, params, beta: float, nll_weight: float, start: int = 0
     (Llama.forward). activations: storage of what the backward keeps (train.step.build_grad_fn)."""
     kept = kept_dtype(activations)
 
-    @vkdsl.trace
+    @vkdsl.trace(keep=1)  # pairs of other lengths build another program; one is alive (memplan)
     def dpo_step(ids_c, pos_c, lab_c, seg_c, ids_r, pos_r, lab_r, seg_r, ref_margin, inv_nc):
         lpc, = head_rows(model, selected_hidden(model, ids_c, pos_c, True, start, (), checkpoint),
                          _logprob_rows, lab_c)
@@ -109,7 +119,7 @@ def _pack(rows, pad, bucket, max_len, prefix=None):
     ids, lab = collate(rows, pad, bucket, max_len)
     pos, sl = select(lab, bucket=16)
     feed = ids if prefix is None else prefix.feed(ids, lab)
-    return feed, pos, sl, _segments(pos, sl, ids.shape[1], ids.shape[0])
+    return feed, pos, sl, segments(pos, sl, ids.shape[1], ids.shape[0])
 
 
 def reference_logps(scorer, pairs, adapters_on: bool):
@@ -259,17 +269,18 @@ class DpoObjective:
 
 
 def train_dpo(model, params, cfg, pad, pairs, heldout, run_dir: Path, say, event, reference: str,
-              identity: dict, prefix=None, group=None, stage=None):
+              identity: dict, prefix=None, group=None, stage=None, scorer=None):
     """reference: 'base' (adapter off), 'sft' (the adapter as it stands now, frozen), 'none'.
     cfg: a TrainConfig (dpo_*, bucket, max_len, eval_batch, clip, betas, eps, weight_decay,
     data_seed, min_lr_ratio). prefix: train.prefix.FrozenPrefix. Reference log-probs and evidence
     are scored in shards over group's ranks and gathered. stage: f(objective, optimizer) -> None
     runs the loop (train.stages: checkpoints and resume); None: train.loop.train from step 0.
-    identity: the run's (models.identity.of_run), for the reference cache's key.
+    identity: the run's (models.identity.of_run), for the reference cache's key. scorer: the run's
+    Scorer (its programs shared with the evaluation), else one made here.
     Returns (history, DpoEvidence: the pair evidence; the stage adds the rest)."""
     g = group or Single()
     prefix = prefix or FrozenPrefix(model, 0, 0)
-    scorer = Scorer(model, pad, cfg.bucket, cfg.max_len, cfg.eval_batch, prefix, g)
+    scorer = scorer or Scorer(model, pad, cfg.bucket, cfg.max_len, cfg.eval_batch, prefix, g)
     if reference == "none":
         rc = rr = np.zeros(len(pairs))
         hc = hr = np.zeros(len(heldout))

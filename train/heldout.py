@@ -5,6 +5,8 @@ decisions, calibration, format (greedy output = one label + end-of-turn, failure
 verbatim), slices, and the decisions again on the base dequantized to fp32."""
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 
 from vkdsl.models.build import build_model
@@ -182,4 +184,5 @@ class Heldout:
         plan = (self.cands[:n * len(self.labels)], None if self.extra is None else self.extra[:n])
         M, _ = self.label_matrix(self.heldout[:n], True, plan, scorer)
         del fp, scorer
+        gc.collect()          # its weights and programs leave the device now (train.memplan)
         return [int(x) for x in M.argmax(1)]

@@ -1,23 +1,30 @@
-"""The device-memory plan of an SFT run, made once the weights are on the device and before any
-program is built: the weights as stored, the adapters, and the programs the run holds while it
-trains -- the step (saved activations, the recompute working set, the LM head's chunks, TMKL's base
-logits), the frozen prefix and the evaluation -- each traced and scheduled at the largest batch the
-settings allow (vkdsl.Traced.plan: the same buffer slots the program allocates). A run over its
-budget is refused here with the plan and settings that fit (`vkdsl-train --plan` prints it).
+"""The device-memory plan of a run, made before its weights reach the device (the model is built
+with them on the host: vkdsl.realize.deferred_uploads) and before any program is built: the weights
+as stored, the adapters, and the programs the run holds -- the SFT step (saved activations, the
+recompute working set, the LM head's chunks, TMKL's base logits), the DPO step (built after the SFT
+step is released, so the larger of the two counts), the frozen prefix and the evaluation, which
+scores the DPO pairs too -- each traced and scheduled at the largest batch the settings and rows
+allow (vkdsl.Traced.plan: the same buffer slots the program allocates). A run over its budget is
+refused here with the plan and settings that fit (`vkdsl-train --plan` prints it); one that fits
+then uploads its weights (upload_weights).
 
-The step is planned at the most supervised positions a micro-batch of the training rows can hold
-(head_rows). With `window` every step has exactly that shape, one program; without it each other
-bucketed length a run meets builds another program no larger than the planned one (the plan says
-so)."""
+A step is planned at the most supervised positions a micro-batch of its rows can hold
+(head_rows). With `window` every SFT step has exactly that shape, one program; without it each
+other bucketed length a run meets builds another program no larger than the planned one, kept
+while the device has room and released, least recently used first, when a program needs it
+(vkdsl.trace): the plan is what must fit, the peak may pass it where memory was free."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
+from vkdsl.realize import upload_all
 from vkdsl.runtime import default_device
 from vkdsl.runtime.context import parse_bytes
 
+from . import dpo
 from .data import IGNORE, bucket_len
 from .packing import Packing
 from .step import select, split_rows
@@ -79,28 +86,66 @@ def step_bytes(r, cfg) -> int:
     return stepper.fn.plan(feed, pos, lab, inv, *base)["total"]
 
 
+def dpo_step_bytes(r, cfg) -> int:
+    """Device bytes of the DPO step's program at its largest pair batch (nothing built): chosen and
+    rejected sides each at their longest bucketed length and most supervised positions."""
+    pairs = r.pairs[0]
+    B = min(cfg.dpo_batch, len(pairs))
+    args = []
+    for side in ("chosen", "rejected"):
+        rows = [getattr(p, side) for p in pairs]
+        T = bucket_len(max(len(x.ids) for x in rows), cfg.bucket, cfg.max_len)
+        n = head_rows(rows, dataclasses.replace(cfg, batch_size=B, window=0))
+        pos, lab = select(_supervised(B, T, n), size=n)
+        feed = (np.zeros((B, T, r.model.cfg.dim), np.float32) if r.prefix.start
+                else np.zeros((B, T), np.int32))
+        args += [feed, pos, lab, dpo.segments(pos, lab, T, B)]
+    fn = dpo.build_dpo_step(r.model, r.params, cfg.dpo_beta, cfg.dpo_nll_weight, r.prefix.start,
+                            cfg.checkpoint_layers, cfg.activations)
+    return fn.plan(*args, np.zeros(B, np.float32), np.ones(1, np.float32))["total"]
+
+
+def score_bytes(r, cfg, rows) -> int:
+    """Device bytes of one scoring program (train.scoring) at the largest evaluation batch of these
+    rows."""
+    E, T = _largest(dataclasses.replace(cfg, batch_size=cfg.eval_batch, window=0), rows)
+    n = head_rows(rows, dataclasses.replace(cfg, batch_size=E, window=0))
+    pos, lab = select(_supervised(E, T, n), size=n)
+    feed = (np.zeros((E, T, r.model.cfg.dim), np.float32) if r.prefix.start
+            else np.zeros((E, T), np.int32))
+    return r.scorer.fns[True].plan(feed, pos, lab)["total"]
+
+
+# never alive together (the SFT step is released when its loop ends, the final evaluation's fp32
+# base when its decisions are taken): the largest of them counts
+STAGES = ("sft step", "dpo step", "fp32 base check")
+
+
 def plan(r, cfg=None) -> dict:
     """The run's planned device bytes by part, their total and the budget (under other settings
     cfg: the same model, adapters and rows)."""
     cfg = cfg or r.cfg
     m = r.model
-    parts = {"weights": m.device_bytes()["device_bytes"],
+    parts = {"weights": m.device_bytes()["device_bytes"] + m.table_bytes,     # RoPE tables too
              "adapters": sum(p.size * 4 for p in r.params)}
     if cfg.objective != "dpo":                     # a DPO-only run builds no SFT step
         parts["sft step"] = step_bytes(r, cfg)
+    if "dpo" in cfg.objective:
+        parts["dpo step"] = dpo_step_bytes(r, cfg)
     B, T = _largest(cfg, r.train)
     if r.prefix.start:
         parts["frozen prefix"] = r.prefix.fn.plan(np.zeros((B, T), np.int32))["total"]
-    scored = r.heldout + r.passages
-    if scored:
-        E, T = _largest(dataclasses.replace(cfg, batch_size=cfg.eval_batch, window=0), scored)
-        n = head_rows(scored, dataclasses.replace(cfg, batch_size=E, window=0))
-        pos, lab = select(_supervised(E, T, n), size=n)
-        feed = (np.zeros((E, T, m.cfg.dim), np.float32) if r.prefix.start
-                else np.zeros((E, T), np.int32))
-        # adapters on, and off
-        parts["evaluation"] = 2 * r.scorer.fns[True].plan(feed, pos, lab)["total"]
-    return {"parts": parts, "total": sum(parts.values()), "budget": budget(cfg),
+    scored = r.heldout + r.passages + [x for p in (r.pairs[0] + r.pairs[1] if r.pairs else [])
+                                       for x in (p.chosen, p.rejected)]
+    if scored:                                     # adapters on, and off
+        parts["evaluation"] = 2 * score_bytes(r, cfg, scored)
+    n = min(cfg.stability_rows, len(r.heldout)) if r.held.labels else 0
+    if n and cfg.quant != "none" and cfg.objective != "dpo":
+        parts["fp32 base check"] = (m.device_bytes()["fp32_bytes"] + m.table_bytes
+                                    + score_bytes(r, cfg, r.heldout[:n]))
+    total = sum(v for k, v in parts.items() if k not in STAGES)
+    total += max((parts[k] for k in STAGES if k in parts), default=0)
+    return {"parts": parts, "total": total, "budget": budget(cfg),
             "shape": _largest(cfg, r.train)}
 
 
@@ -116,18 +161,22 @@ def lines(p, cfg) -> list[str]:
     out = [f"device memory plan ({what} a micro-batch, checkpoint {cfg.checkpoint}, "
            f"activations {cfg.activations}):"]
     out += [f"  {k:<14} {v / MiB:9.1f} MiB" for k, v in p["parts"].items()]
+    if sum(k in p["parts"] for k in STAGES) > 1:
+        out.append(f"  ({', '.join(k for k in STAGES if k in p['parts'])}: one at a time, the "
+                   f"largest counts)")
     out.append(f"  {'total':<14} {p['total'] / MiB:9.1f} MiB of a {p['budget'] / MiB:.0f} "
                f"MiB budget"
-               + ("" if cfg.window
-                  else "; each other row length met adds a step program no larger"))
+               + ("" if cfg.window else "; programs of other row lengths are kept while "
+                  "there is room"))
     return out
 
 
 def alternatives(cfg):
     """Settings that need less memory, most faithful first: checkpointing at the same batch, then
     fewer rows (windows) per micro-batch with more accumulation (the same optimizer step); each
-    with the evaluation batch as it is, then halved; last, the same with fp16 saved activations
-    (gradients no longer exact) where the device has 16-bit storage."""
+    with the evaluation batch as it is, then halved; then all that without the fp32 base check of
+    the final evaluation (stability_rows = 0: one evidence line less); last, the same with fp16
+    saved activations (gradients no longer exact) where the device has 16-bit storage."""
     def halvings(n):
         while True:
             yield n
@@ -136,18 +185,31 @@ def alternatives(cfg):
             n //= 2
     acts = ([cfg.activations]
             + (["fp16"] if cfg.activations != "fp16" and default_device().limits.storage16 else []))
-    return [dataclasses.replace(cfg, checkpoint=ck, batch_size=b, eval_batch=e, activations=a,
-                                grad_accum=cfg.grad_accum * (cfg.batch_size // b))
-            for a in acts for b in halvings(cfg.batch_size) for e in halvings(cfg.eval_batch)
-            for ck in dict.fromkeys([cfg.checkpoint, "layers"])
-            if (ck, b, e, a) != (cfg.checkpoint, cfg.batch_size, cfg.eval_batch, cfg.activations)]
+    now = (cfg.checkpoint, cfg.batch_size, cfg.eval_batch, cfg.stability_rows, cfg.activations)
+    return [dataclasses.replace(cfg, checkpoint=ck, batch_size=b, eval_batch=e, stability_rows=st,
+                                activations=a, grad_accum=cfg.grad_accum * (cfg.batch_size // b))
+            for a in acts for st in dict.fromkeys([cfg.stability_rows, 0])
+            for b in halvings(cfg.batch_size) for e in halvings(cfg.eval_batch)
+            for ck in dict.fromkeys([cfg.checkpoint, "layers"]) if (ck, b, e, st, a) != now]
 
 
 def peak_line(p) -> str:
-    """The device's peak allocation so far against the plan (said after the SFT stage)."""
+    """The device's peak allocation so far against the plan (said after each stage)."""
     peak = default_device().peak_bytes
     return (f"device memory: peak {peak / MiB:.1f} MiB, planned {p['total'] / MiB:.1f} MiB "
-            f"({peak / p['total']:.2f}x the plan)")
+            f"({peak / p['total']:.2f}x the plan"
+            + ("; programs of other row lengths kept while there was room)" if peak > p["total"]
+               else ")"))
+
+
+def upload_weights(r):
+    """The run's weights onto the device once its plan has passed (a weight some program used
+    already is there)."""
+    t0 = time.perf_counter()
+    n = upload_all(r.pending)
+    r.pending = []
+    if n:
+        r.r.say(f"weights: {n / MiB:.1f} MiB onto the device in {time.perf_counter() - t0:.1f}s")
 
 
 def check(r, say) -> dict:
@@ -159,13 +221,14 @@ def check(r, say) -> dict:
         return p
     hint = next((c for c in alternatives(r.cfg) if plan(r, c)["total"] <= p["budget"]), None)
     if hint is None:
-        fix = ("no checkpointing, batch split or fp16 activations fits: shorten max_len/window or "
-               "quantize the base")
+        fix = ("no checkpointing, batch split, stability_rows = 0 or fp16 activations fits: "
+               "shorten max_len/window or quantize the base")
     else:
-        fp16 = (f", activations = {hint.activations}"
-                if hint.activations != r.cfg.activations else "")
-        fix = (f"checkpoint = {hint.checkpoint}, batch_size = {hint.batch_size}, grad_accum = "
-               f"{hint.grad_accum}, eval_batch = {hint.eval_batch}{fp16} fits")
+        more = [f"{k} = {getattr(hint, k)}" for k in ("stability_rows", "activations")
+                if getattr(hint, k) != getattr(r.cfg, k)]
+        fix = (", ".join([f"checkpoint = {hint.checkpoint}, batch_size = {hint.batch_size}, "
+                          f"grad_accum = {hint.grad_accum}, eval_batch = {hint.eval_batch}"] + more)
+               + " fits")
     big = ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in p["parts"].items() if v >= MiB)
     raise MemoryPlanError(f"the run needs {p['total'] / MiB:.0f} MiB of device memory ({big}) and "
                           f"the budget is {p['budget'] / MiB:.0f} MiB: {fix}")

@@ -8,7 +8,7 @@ import time
 import vkdsl
 from vkdsl.models.identity import file_sha256
 
-from . import checkpoint, dpo, evidence, loop
+from . import checkpoint, dpo, evidence, loop, memplan
 from .report import build_report
 
 
@@ -55,12 +55,9 @@ def dpo_stage(r, stop_after=None):
     """Train the same adapters with DPO; record evidence; returns its DpoEvidence. stop_after:
     end the stage after that DPO step with loop.Interrupted (a simulated kill)."""
     cfg, rep = r.cfg, r.r
-    enc = (cfg.chat_template, cfg.max_len, cfg.truncation_side)
-    pairs, same = dpo.load_pairs(cfg.dpo_train_file, r.tok, *enc)
-    held, same_h = (dpo.load_pairs(cfg.dpo_heldout_file, r.tok, *enc) if cfg.dpo_heldout_file
-                    else ([], 0))
-    if same or same_h:
-        rep.say(f"warning: {same + same_h} preference pair(s) have identical chosen and rejected "
+    pairs, held, same = r.pairs
+    if same:
+        rep.say(f"warning: {same} preference pair(s) have identical chosen and rejected "
                 f"responses; skipped")
     reference = (cfg.reference if cfg.reference != "auto"
                  else ("sft" if cfg.objective == "sft+dpo" else "base"))
@@ -76,7 +73,7 @@ def dpo_stage(r, stop_after=None):
     t0 = time.perf_counter()
     history, ev = dpo.train_dpo(r.model, r.params, cfg, r.pad, pairs, held, r.dir, rep.say, event,
                                 reference, r.identity, r.prefix, r.group,
-                                lambda obj, opt: _dpo_loop(r, obj, opt, stop_after))
+                                lambda obj, opt: _dpo_loop(r, obj, opt, stop_after), r.scorer)
     r.dpo_history = history
     after = r.held.scores(adapters_on=True)  # every surface again, after DPO (one scoring pass)
     surf = r.held.surfaces(after, adapters_on=True)
@@ -85,6 +82,8 @@ def dpo_stage(r, stop_after=None):
     ev.sft_acc = r.final.heldout_acc if r.final else None
     if base is not None and r.passages:
         ev.preservation_delta = after.pres - base.preservation_loss
+    if getattr(r, "plan", None):
+        rep.say(memplan.peak_line(r.plan))
     rep.say(f"DPO evidence ({time.perf_counter() - t0:.0f}s):")
     for split in ("train", "heldout"):
         e = getattr(ev, split)

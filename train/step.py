@@ -259,6 +259,13 @@ class Stepper:
         self.pack = bool(getattr(cfg, "pack", False))
         self.opt = HostAdamW([p.shape for p in params], cfg.betas, cfg.eps, cfg.weight_decay)
 
+    def release(self):
+        """Free the step programs' device buffers (a later step builds them again)."""
+        for fn in (self.fn, self.fn_packed):
+            for prog, _, _ in fn.programs.values():
+                prog.release()
+            fn.programs.clear()
+
     def grads(self, micro, n_total):
         """micro: list of (ids, labels[, lengths]) numpy; n_total supervised tokens over all of
         them. With lengths (real tokens per row) and cfg.pack, rows are packed (train.packing) into

@@ -13,8 +13,9 @@ from vkdsl.models import identity, load_model_files
 from vkdsl.models.build import build_model
 from vkdsl.ops.losses import check_labels
 from vkdsl.precision import current as matmul_precision_now
+from vkdsl.realize import deferred_uploads
 
-from . import checkpoint, evidence, loop, memplan
+from . import checkpoint, dpo, evidence, loop, memplan
 from .data import IGNORE, DataError, check_batches, collate, load_run_rows, sampler
 from .distributed import Single
 from .evidence import Evidence
@@ -50,12 +51,15 @@ class Run:
         t0 = time.perf_counter()
         if reuse is not None and (reuse.model_path, reuse.cfg.quant) != (path, cfg.quant):
             reuse = None
+        self.pending = []
         if reuse is not None:
             self.ckpt, self.tok, self.model = reuse.ckpt, reuse.tok, reuse.model
             self.model.lora = {}
         else:
             self.ckpt, self.tok = files if files is not None else load_model_files(path)
-            self.model = build_model(self.ckpt, quant=cfg.quant)
+            # the weights stay on the host until the memory plan has passed (upload_weights)
+            with deferred_uploads() as self.pending:
+                self.model = build_model(self.ckpt, quant=cfg.quant)
         # what a resume and the caches must find unchanged: the base, tokenizer, settings and rows
         data = {"train_file": cfg.train_file,
                 "dpo_train_file": cfg.dpo_train_file if "dpo" in cfg.objective else ""}
@@ -70,6 +74,7 @@ class Run:
         self.pad = self.tok.pad_id if self.tok.pad_id is not None else self.tok.eos_id
         self.train, self.heldout, self.passages, self.rehearsal = load_run_rows(cfg, self.tok,
                                                                                 self.r.say)
+        self.pairs = dpo.stage_pairs(cfg, self.tok) if "dpo" in cfg.objective else None
         # window mode (long data): no frozen-prefix cache, whose rows are kept in the padded layout
         start = 0 if cfg.window else first_adapted_layer(self.names)
         if (reuse is not None and reuse.prefix.start == start
@@ -294,8 +299,7 @@ class Run:
         return finished
 
     def _ckpt_step(self):
-        step = checkpoint.saved_step(self.dir)
-        return "none" if step is None else step
+        return checkpoint.saved_step(self.dir) or "none"
 
 
 class SftObjective:
@@ -347,9 +351,10 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
     if not resume:
         checkpoint.atomic_write(run_dir / "config.json", cfg.dumps().encode())
     r = Run(cfg, run_dir, rep, reuse, files, group)
-    plan = memplan.check(r, rep.say)
+    r.plan = memplan.check(r, rep.say)
     if plan_only:
         return r
+    memplan.upload_weights(r)
     r.preflight()
     r.dpo_saved = None  # (meta, params, optimizer) of the DPO stage's checkpoint to resume
     if (resume and not any((Path(resume) / n).exists()
@@ -368,9 +373,10 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
     t0 = time.perf_counter()
     finished = True if cfg.objective == "dpo" else r.train_loop(stop_after, at_step)
     r.train_seconds = time.perf_counter() - t0
+    r.stepper.release()             # its buffers are not needed again (train.memplan)
     if r.tokens["computed"]:
         rep.say(efficiency_line(r.tokens, cfg.pack))
-        rep.say(memplan.peak_line(plan))
+        rep.say(memplan.peak_line(r.plan))
     if finished and cfg.checkpoint_every and r.step % cfg.checkpoint_every:
         r.save()
     r.final, r.gates = None, []

@@ -59,10 +59,59 @@ def _nbytes(t):
 
 def upload(a: np.ndarray, device=None, name=None) -> Buffer:
     dev = device or default_device()
+    pending = getattr(_state, "pending", None)
+    if pending is not None:
+        pending.append(PendingUpload(a, dev, name))
+        return pending[-1]
     buf = Buffer(dev, a.nbytes, label=name or "tensor")
     if a.size:
         buf.write(a)
     return buf
+
+
+class PendingUpload:
+    """A leaf's buffer whose allocation waits (made under deferred_uploads): its size is known, so
+    graphs over it trace, schedule and plan (Traced.plan) with nothing on the device; the first
+    use of anything else (a binding, a read) uploads it, as does upload_all."""
+
+    def __init__(self, a: np.ndarray, device, name):
+        self._a, self._device, self._name, self._buf = a, device, name, None
+        self.nbytes = a.nbytes
+
+    def resolve(self) -> Buffer:
+        if self._buf is None:
+            self._buf = Buffer(self._device, self.nbytes, label=self._name or "tensor")
+            if self._a.size:
+                self._buf.write(self._a)
+            self._a = None                       # the host copy goes as the device one comes
+        return self._buf
+
+    @property
+    def uploaded(self) -> bool:
+        return self._buf is not None
+
+    def __getattr__(self, name):
+        return getattr(self.resolve(), name)
+
+
+@contextlib.contextmanager
+def deferred_uploads():
+    """Within the block, tensors made from host arrays keep their bytes on the host (the yielded
+    list of PendingUpload): a model is built, and its programs planned, before any of its weights
+    take device memory. upload_all(list) puts them on the device."""
+    prev, _state.pending = getattr(_state, "pending", None), []
+    try:
+        yield _state.pending
+    finally:
+        _state.pending = prev
+
+
+def upload_all(pending: list) -> int:
+    """Upload every buffer still pending; returns the bytes uploaded."""
+    todo = [p for p in pending if not p.uploaded]
+    for p in todo:
+        p.resolve()
+    return sum(p.nbytes for p in todo)
 
 
 def _rendered(dev, step):
