@@ -27,6 +27,8 @@ def setup(tmp_path_factory):
 
 def test_a_model_over_the_budget_is_refused_before_allocating(setup, monkeypatch):
     ck, _ = load_model_files(setup[0].gguf_path)
+    from vkdsl.runtime import context
+    monkeypatch.setattr(context, "RECLAIM", [])   # other tests' cached programs stay where they are
     dev = default_device()
     before = dev.allocated_bytes
     monkeypatch.setenv("VKDSL_DEVICE_MEMORY_LIMIT", str(before + 4096))

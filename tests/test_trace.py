@@ -178,12 +178,10 @@ def test_a_concatenation_of_many_chunks_binds_few_buffers_per_kernel():
 
 def test_programs_of_other_shapes_give_way_when_the_device_is_full(monkeypatch):
     """Programs stay, one per shape, while memory allows; one that would pass the budget first
-    releases the least recently used programs (of any traced function), and every result is
-    right. With that release disabled the same calls run out of memory."""
+    releases the least recently used programs (of any traced function: runtime.context.RECLAIM),
+    and every result is right. With nothing to reclaim the same calls run out of memory."""
     import gc
-    import importlib
-    from vkdsl.runtime import DeviceMemoryError, default_device
-    trace_mod = importlib.import_module("vkdsl.trace")
+    from vkdsl.runtime import DeviceMemoryError, context, default_device
     dev = default_device()
     gc.collect()
     n = 1 << 18                                  # a program: its 1 MiB input, a few small buffers
@@ -202,6 +200,6 @@ def test_programs_of_other_shapes_give_way_when_the_device_is_full(monkeypatch):
     for f in fs:
         f.programs.clear()
     gc.collect()
-    monkeypatch.setattr(trace_mod, "release_least_recent", lambda keep=None: False)
+    monkeypatch.setattr(context, "RECLAIM", [])
     with pytest.raises(DeviceMemoryError):
         calls()

@@ -15,7 +15,8 @@ import numpy as np
 from . import precision
 from .graph import DTYPES
 from .realize import Program, buffer_slots, capturing
-from .runtime import DeviceMemoryError, default_device
+from .runtime import default_device
+from .runtime.context import RECLAIM
 from .schedule import plan as schedule
 from .tensor import Tensor
 
@@ -37,18 +38,17 @@ def _flatten(out):
 # programs built by every Traced in this process, and the seconds spent building them (trace,
 # schedule, compile, allocate, record): a run reports it, so first-call cost is never hidden
 BUILT = {"programs": 0, "seconds": 0.0}
-# every Traced alive, and a clock of program use: a program that does not fit the device's budget
-# first releases the least recently used programs of any of them (a program of another shape is a
-# cache that holds memory only while nothing needs it)
+# every Traced alive, and a clock of program use: an allocation that does not fit the device's
+# budget first releases the least recently used programs of any of them (runtime.context.RECLAIM;
+# a program of another shape is a cache that holds memory only while nothing needs it)
 _LIVE = weakref.WeakSet()
 _CLOCK = itertools.count()
 
 
-def release_least_recent(keep=None) -> bool:
-    """Release the least recently used program of any Traced (other than keep: (Traced, key)), so
-    its buffers leave the device; False when there is none."""
-    held = [(t.used.get(k, 0), id(t), t, k) for t in list(_LIVE) for k in t.programs
-            if (t, k) != keep]
+def release_least_recent() -> bool:
+    """Release the least recently used program of any Traced, so its buffers leave the device;
+    False when there is none."""
+    held = [(t.used.get(k, 0), id(t), t, k) for t in list(_LIVE) for k in t.programs]
     if not held:
         return False
     _, _, t, k = min(held, key=lambda h: h[:2])
@@ -58,16 +58,7 @@ def release_least_recent(keep=None) -> bool:
     return True
 
 
-def _fitting(build):
-    """build(), releasing the least recently used programs while what it allocates does not fit
-    (outside the except clause: the failed attempt's buffers are freed before the next)."""
-    while True:
-        try:
-            return build()
-        except DeviceMemoryError:
-            pass
-        if not release_least_recent():
-            return build()                       # nothing left to release: its error stands
+RECLAIM.append(release_least_recent)
 
 
 class Traced:
@@ -103,9 +94,9 @@ class Traced:
             for o in outs:
                 if not isinstance(o, Tensor):
                     raise TypeError(f"traced function returned {type(o)}, expected Tensor")
-            prog = _fitting(lambda: Program(outs, holders, cap.assigns, device=self.device,
-                                            label=getattr(self.fn, "__name__", "trace"),
-                                            guard_bytes=self.guard_bytes))
+            prog = Program(outs, holders, cap.assigns, device=self.device,
+                           label=getattr(self.fn, "__name__", "trace"),
+                           guard_bytes=self.guard_bytes)
             self.programs[key] = (prog, rebuild, cap.guards)
             BUILT["programs"] += 1
             BUILT["seconds"] += time.perf_counter() - t0

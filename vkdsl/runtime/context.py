@@ -11,6 +11,10 @@ from .profiles import apply, named
 from .errors import DeviceMemoryError, VulkanError, vkcall
 from .pipeline_cache import PipelineCache
 
+# callables that free device memory held only as a cache (vkdsl.trace: programs of shapes not in
+# use), each returning whether it freed anything; an allocation over the budget calls them first
+RECLAIM: list = []
+
 
 class Device:
     """Logical device with one compute queue. Kernels and buffers are created against it."""
@@ -71,7 +75,11 @@ class Device:
         return min(heap, parse_bytes(limit)) if limit else heap
 
     def reserve(self, nbytes: int, what: str):
-        """Refuse, before allocating, an allocation that would pass the budget."""
+        """Refuse, before allocating, an allocation that would pass the budget (what RECLAIM can
+        free given up first)."""
+        while (self.allocated_bytes + nbytes > self.memory_budget
+               and any(free() for free in RECLAIM)):
+            pass
         if self.allocated_bytes + nbytes > self.memory_budget:
             raise DeviceMemoryError(
                 f"{what} needs {nbytes / 2**20:.1f} MiB of device memory; {self.info.name} has "
