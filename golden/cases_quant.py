@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cases import SIGNED, Case, N, U, shp
+from .cases import I32, SIGNED, Case, N, U, shp
 
 
 # GGUF block layouts: (bytes per 32-weight block, byte builder)
@@ -71,4 +71,13 @@ def quant_cases():
         for rows, cols in [(1, 256), (3, 512)]:
             out.append(Case(f"{op}[{rows}x{cols}]", op, {"shape": [rows, cols]},
                             lambda r, f=fn, n=rows * cols // 256: [f(r, n).ravel()]))
+    # embedding lookups: 1..3 ids leave most of a 16-byte ids buffer unused, which a kernel that
+    # sized its loop by the binding wrote rows for, past its output (SwiftShader's heap, 2026-12)
+    for fmt, fn, (rows, cols), ids in [("q8_0", _q8_0, (7, 32), [5]),
+                                       ("q8_0", _q8_0, (9, 576), [2, 8, 0]),
+                                       ("q4_1", _q4_1, (5, 64), [4, 4]),
+                                       ("q4_0", _q4_0, (11, 96), [0, 10, 3, 7, 7, 1])]:
+        out.append(Case(f"qgather[{fmt},{rows}x{cols},n={len(ids)}]", "qgather",
+                        {"fmt": fmt, "shape": [rows, cols]},
+                        lambda r, f=fn, n=rows * cols // 32, i=ids: [f(r, n).ravel(), I32(i)]))
     return out

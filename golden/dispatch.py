@@ -145,6 +145,7 @@ PHASE2: dict[str, Callable] = {
     "dequant_q6_k": _dequant(Q.dequant_q6_k),
     "qmatmul_f16in": lambda ins, p, g: {
         "out": Q.qmatmul_f16in(ins[0], ins[1], p["fmt"], p["shape"], p["form"])},
+    "qgather": lambda ins, p, g: {"out": Q.qgather(ins[0], ins[1], p["fmt"], p["shape"])},
 }
 
 # ops whose cases carry an upstream gradient "gout" (same shape as "out"), and the inputs each

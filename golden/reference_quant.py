@@ -14,7 +14,8 @@ def _f64(x) -> np.ndarray:
 __all__ = ["int4_quantize", "int4_dequantize", "int4_roundtrip",
            "NF4_CODEBOOK", "nf4_quantize", "nf4_dequantize", "nf4_roundtrip",
            "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1",
-           "dequant_f16", "dequant_q4_k", "dequant_q5_k", "dequant_q6_k", "qmatmul_f16in"]
+           "dequant_f16", "dequant_q4_k", "dequant_q5_k", "dequant_q6_k", "qmatmul_f16in",
+           "qgather"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,3 +278,10 @@ def qmatmul_f16in(x, raw, fmt: str, shape, form: str) -> np.ndarray:
            "q6_k": dequant_q6_k}[fmt]
     w = deq(raw, tuple(shape)).astype(np.float16)
     return matmul(np.asarray(x, np.float32).astype(np.float16), w, tb=form == "nt")
+
+
+def qgather(raw, ids, fmt: str, shape) -> np.ndarray:
+    """Rows ids of a GGUF table of shape (V, D): an embedding lookup in a quantized table."""
+    deq = {"q8_0": dequant_q8_0, "q4_0": dequant_q4_0, "q4_1": dequant_q4_1,
+           "q6_k": dequant_q6_k}[fmt]
+    return deq(raw, tuple(shape))[np.asarray(ids, np.int64)]

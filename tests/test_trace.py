@@ -77,10 +77,10 @@ def _run_ops(ops, x, T):
 
 
 def test_values_share_a_slot_only_when_their_lives_do_not_overlap(rng):
-    """realize.buffer_slots on random programs: two values alive at the same time never share a
+    """slots.buffer_slots on random programs: two values alive at the same time never share a
     slot, every slot holds its values, and the results equal numpy's (a clobbered value would not);
     the slots' total stays near the peak of bytes alive at once."""
-    from vkdsl.realize import _nbytes, buffer_slots
+    from vkdsl.slots import buffer_slots, value_bytes
     for trial in range(4):
         ops = _random_ops(rng)
         x = rng.standard_normal(4096).astype(np.float32)
@@ -102,11 +102,11 @@ def test_values_share_a_slot_only_when_their_lives_do_not_overlap(rng):
         for key, k in slot_of.items():
             by_slot.setdefault(k, []).append((made[key], last[key]))
             node = prog.steps[made[key]].node
-            assert slots[k][0] >= _nbytes(node)
+            assert slots[k][0] >= value_bytes(node)
         for lives in by_slot.values():
             lives.sort()
             assert all(b[0] > a[1] for a, b in zip(lives, lives[1:])), lives
-        alive = [sum(_nbytes(prog.steps[made[k]].node) for k in slot_of if made[k] <= i <= last[k])
+        alive = [sum(value_bytes(prog.steps[made[k]].node) for k in slot_of if made[k] <= i <= last[k])
                  for i in range(len(prog.steps))]
         assert sum(n for n, _ in slots) <= 1.3 * max(alive), (sum(n for n, _ in slots), max(alive))
 

@@ -62,6 +62,20 @@ def test_a_planted_bug_in_an_example_kernel_fails_its_rows(tmp_path, example):
     assert any(":" not in n for n in forward)            # the kernel's own output, not only a gradient
 
 
+def test_a_kernel_writing_past_its_output_fails_its_row_whatever_it_computes(tmp_path):
+    """Every verify row runs with sentinel words past each output (vkdsl.realize.guarded): the
+    layer norm's loop bound planted one element long (the last row writes y[rows * cols]) fails,
+    though the values it was asked for may all be right."""
+    old, new = "for (uint c = t; c < cols; c += 64) y[", "for (uint c = t; c <= cols; c += 64) y["
+    text = LAYERNORM.read_text()
+    assert text.count(old) == 1
+    bad = tmp_path / LAYERNORM.name
+    bad.write_text(text.replace(old, new))
+    p = vkdsl(["verify", "--cases", str(bad), "--no-warm"])
+    assert p.returncode == 1
+    assert "OverrunError" in p.stdout and "layernorm" in p.stdout and "wrote past the end" in p.stdout
+
+
 def test_goldens_made_then_checked_without_the_reference(tmp_path):
     """golden make stores inputs and float64 outputs in vkdsl's format; verify --golden checks the device
     against them; an edited generator makes them stale (named), an altered or missing file is one line."""

@@ -250,6 +250,7 @@ def run(case: Case, arrays: dict, note: str = "", device=None):
     output. A case that raises is one failed row with its error (the other cases still run); note:
     why the arrays cannot be trusted (a stale golden): one failed row, nothing run."""
     from .autograd import grad
+    from .realize import guarded
     from .runtime import default_device
     from .tensor import Tensor
     from .verify import Row, measure
@@ -264,16 +265,18 @@ def run(case: Case, arrays: dict, note: str = "", device=None):
                     measure=case.measure)]
     t0 = time.perf_counter()
     n_in = sum(1 for k in arrays if k.startswith("in") and k[2:].isdigit())
-    try:
-        ins = [Tensor.from_numpy(arrays[f"in{i}"], name=f"in{i}", requires_grad=i in case.grads)
-               for i in range(n_in)]
-        res = _call(case, ins)
-        outs = dict(res) if isinstance(res, dict) else {"out": res}
-        if case.grads:
-            gs = grad(outs["out"], [ins[i] for i in case.grads],
-                      upstream=Tensor.from_numpy(arrays["gout"]))
-            outs.update({f"grad_in{i}": g for i, g in zip(case.grads, gs)})
-        got = {k: np.asarray(v.numpy() if hasattr(v, "numpy") else v) for k, v in outs.items()}
+    try:            # guarded: a kernel writing past its output fails the row (OverrunError)
+        with guarded():
+            ins = [Tensor.from_numpy(arrays[f"in{i}"], name=f"in{i}",
+                                     requires_grad=i in case.grads) for i in range(n_in)]
+            res = _call(case, ins)
+            outs = dict(res) if isinstance(res, dict) else {"out": res}
+            if case.grads:
+                gs = grad(outs["out"], [ins[i] for i in case.grads],
+                          upstream=Tensor.from_numpy(arrays["gout"]))
+                outs.update({f"grad_in{i}": g for i, g in zip(case.grads, gs)})
+            got = {k: np.asarray(v.numpy() if hasattr(v, "numpy") else v)
+                   for k, v in outs.items()}
     except Exception as e:           # a failing kernel is a failed row, not a crashed verify
         return [Row(case.op, case.name, "", float("inf"), case.limit, False, case.reason,
                     f"{type(e).__name__}: {e}", measure=case.measure,

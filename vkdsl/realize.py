@@ -5,7 +5,6 @@ realized leaves. vkdsl.trace keeps the program and replays it: upload inputs, on
 wait, read outputs -- no Python work per dispatch."""
 from __future__ import annotations
 
-import bisect
 import contextlib
 import math
 import threading
@@ -14,11 +13,12 @@ import numpy as np
 
 from . import render
 from .compiler import compile_glsl, prefetch
-from .graph import ITEMSIZE, NP_DTYPE, reshape_base
+from .graph import NP_DTYPE, reshape_base
 from .handwritten import default_variant, fold_grid
 from .matmul import plan_matmul, record_matmul
 from .runtime import Buffer, Part, Recording, default_device, get_kernel
 from .schedule import plan
+from .slots import buffer_slots, value_bytes
 
 
 class Capture:
@@ -50,11 +50,6 @@ def capturing():
         yield cap
     finally:
         _state.capture = prev
-
-
-def _nbytes(t):
-    """Bytes of a tensor's buffer: whole 32-bit words (a float16 tensor of odd size rounds up)."""
-    return -(-math.prod(t.shape) * ITEMSIZE[t.dtype] // 4) * 4
 
 
 def upload(a: np.ndarray, device=None, name=None) -> Buffer:
@@ -167,7 +162,7 @@ def record_step(rec, step, buffer_of, rendered: dict | None = None):
     elif step.kind == "custom":
         step.node.arg.record(rec, out, [buffer_of(x) for x in step.node.src])
     elif step.kind == "assign" and len(step.inputs) == 1 and step.inputs[0] is step.node:
-        rec.copy(buffer_of(step.node), out, _nbytes(step.node))
+        rec.copy(buffer_of(step.node), out, value_bytes(step.node))
     else:
         k, groups = generated_kernel(rec.device, step, (rendered or {}).get(id(step)))
         rec.dispatch(k, [out] + [buffer_of(x) for x in step.inputs], groups)
@@ -187,58 +182,19 @@ def _record_matmul(rec, node, out, abuf, bbuf):
 GUARD_WORD = np.uint32(0x7FC0DEAD)    # a NaN pattern no kernel writes by accident
 
 
-def buffer_slots(steps, outputs) -> tuple[dict, list]:
-    """The buffers a program's steps get, decided without allocating any: (slot of each computed
-    node's id, [(bytes, 'output' | 'temp')] per slot). Outputs (and what they alias through
-    reshapes) keep slots of their own. A temporary lives from its step to its last reader's; the
-    temporaries are placed largest first, each in the smallest slot no value alive at the same time
-    holds, else in a new slot of its size (greedy by size, as TFLite's planner shares objects), so
-    a slot's bytes are its first value's and the total comes near the peak of what is alive. int32
-    values share only slots of exactly their size (a kernel may size its loop by the binding).
-    Program allocates exactly these; Traced.plan sums them."""
-    computed = {id(s.node) for s in steps if s.kind != "assign"}
+@contextlib.contextmanager
+def guarded(nbytes: int = 256):
+    """Programs built within the block get nbytes of sentinel words past each output and raise
+    OverrunError when a run finds them overwritten (vkdsl verify runs every case so)."""
+    prev, _state.guard = getattr(_state, "guard", 0), int(nbytes)
+    try:
+        yield
+    finally:
+        _state.guard = prev
 
-    def owner(x):
-        """The node whose slot x reads: x, or what it reshapes, down to a computed node (a reshape
-        of a view is computed into a slot of its own)."""
-        while x.op == "reshape" and id(x) not in computed:
-            x = x.src[0]
-        return id(x)
-    out_ids = ({id(o) for o in outputs} | {id(reshape_base(o)) for o in outputs}
-               | {owner(o) for o in outputs})
-    last_use = {}
-    for i, s in enumerate(steps):
-        for x in s.inputs:
-            last_use[owner(x)] = i
-    slot_of, slots, temps = {}, [], []
-    for i, s in enumerate(steps):
-        if s.kind == "assign":
-            continue
-        if id(s.node) in out_ids:
-            slot_of[id(s.node)] = len(slots)
-            slots.append((_nbytes(s.node), "output"))
-        else:
-            temps.append((_nbytes(s.node), i, max(i, last_use.get(id(s.node), i)), id(s.node),
-                          s.node.dtype == "int32"))
-    # per slot: (starts, ends) of its values' lives, sorted, disjoint
-    lives = [([], []) for _ in slots]
-    for nb, start, end, key, exact in sorted(temps, key=lambda v: (-v[0], v[1])):
-        for k in range(len(slots) - 1, -1, -1):         # newest first: the smallest slots
-            size, kind = slots[k]
-            if kind != ("temp-int32" if exact else "temp") or size < nb or (exact and size != nb):
-                continue
-            starts, ends = lives[k]
-            j = bisect.bisect_right(starts, end)
-            if j == 0 or ends[j - 1] < start:           # no value of this slot alive meanwhile
-                starts.insert(j, start)
-                ends.insert(j, end)
-                break
-        else:
-            k = len(slots)
-            slots.append((nb, "temp-int32" if exact else "temp"))
-            lives.append(([start], [end]))
-        slot_of[key] = k
-    return slot_of, [(nb, "temp" if kind == "temp-int32" else kind) for nb, kind in slots]
+
+class OverrunError(RuntimeError):
+    """A kernel wrote past the end of its output buffer."""
 
 
 class Program:
@@ -247,9 +203,10 @@ class Program:
     guards_intact() says whether any kernel wrote there (tests catch out-of-bounds writes)."""
 
     def __init__(self, outputs, inputs=(), assigns=(), device=None, label="program",
-                 guard_bytes: int = 0):
+                 guard_bytes: int | None = None):
         self.dev = dev = device or default_device()
-        self.guard_bytes = -(-int(guard_bytes) // 4) * 4
+        guard = getattr(_state, "guard", 0) if guard_bytes is None else guard_bytes
+        self.guard_bytes = -(-int(guard) // 4) * 4
         self.outputs, self.inputs, self.label = list(outputs), list(inputs), label
         steps, mat = plan(self.outputs, list(assigns))
         self.steps = steps
@@ -259,9 +216,9 @@ class Program:
         # Inputs: host-visible on unified devices; else device-local plus a staging twin.
         self.in_stage = []
         for t in self.inputs:
-            self._own(t, Buffer(dev, _nbytes(t), label=f"input{t.arg}"))
+            self._own(t, Buffer(dev, value_bytes(t), label=f"input{t.arg}"))
             self.in_stage.append(None if unified
-                                 else Buffer(dev, _nbytes(t), host=True, label="stage-in"))
+                                 else Buffer(dev, value_bytes(t), host=True, label="stage-in"))
         # Computed nodes: one buffer per slot of buffer_slots (outputs their own, temporaries
         # reused).
         slot_of, slots = buffer_slots(steps, self.outputs)
@@ -274,10 +231,14 @@ class Program:
         for s in steps:
             if s.kind != "assign":
                 buf = made[slot_of[id(s.node)]]
-                self._own(s.node, buf if buf.nbytes == _nbytes(s.node)
-                          else Part(buf, _nbytes(s.node)))
+                self._own(s.node, buf if buf.nbytes == value_bytes(s.node)
+                          else Part(buf, value_bytes(s.node)))
+        # (buffer, value bytes, step) of each guarded output: its sentinel words follow the value
+        self._guarded = [(made[slot_of[id(s.node)]], value_bytes(s.node), step_name(s))
+                         for s in steps if self.guard_bytes and s.kind != "assign"
+                         and slots[slot_of[id(s.node)]][1] == "output"]
         self.out_stage = [None if unified
-                          else Buffer(dev, max(_nbytes(o), 4), host=True, label="stage-out")
+                          else Buffer(dev, max(value_bytes(o), 4), host=True, label="stage-out")
                           for o in self.outputs]
         self._record()
 
@@ -312,12 +273,12 @@ class Program:
         rec = Recording(dev, n_sets=len(self.steps) * 4 + 4, label=self.label)
         for t, st in zip(self.inputs, self.in_stage):
             if st is not None:
-                rec.copy(st, self.buffer_of(t), _nbytes(t))
+                rec.copy(st, self.buffer_of(t), value_bytes(t))
         for s in self.steps:
             record_step(rec, s, self.buffer_of, rendered)
         for o, st in zip(self.outputs, self.out_stage):
             if st is not None:
-                rec.copy(self.buffer_of(o), st, _nbytes(o))
+                rec.copy(self.buffer_of(o), st, value_bytes(o))
         self.recording = rec.finish()
 
     def run(self, arrays=()):
@@ -326,6 +287,9 @@ class Program:
             if a.size:
                 dst.view(NP_DTYPE[t.dtype], a.size)[:] = a.reshape(-1)
         self.recording.submit_wait()
+        if self.guard_bytes and (over := self.overruns()):
+            raise OverrunError(f"{self.label}: {', '.join(over)} wrote past the end of its "
+                               f"output")
         res = []
         for o, st in zip(self.outputs, self.out_stage):
             src = st or self.buffer_of(o)
@@ -336,14 +300,13 @@ class Program:
 
     def guards_intact(self) -> bool:
         """True when no output's sentinel words (guard_bytes past its end) were overwritten."""
-        for o in self.outputs:
-            if self.buffer_of(o).nbytes < _nbytes(o) + self.guard_bytes:
-                continue                   # a leaf returned as is: not written by this program
-            words = self.buffer_of(o).read(np.uint32,
-                                           (_nbytes(o) + self.guard_bytes) // 4)[_nbytes(o) // 4:]
-            if not np.all(words == GUARD_WORD):
-                return False
-        return True
+        return not self.overruns()
+
+    def overruns(self) -> list[str]:
+        """The steps whose outputs' sentinel words were overwritten."""
+        return [name for buf, nb, name in self._guarded
+                if not np.all(buf.read(np.uint32, (nb + self.guard_bytes) // 4)[nb // 4:]
+                              == GUARD_WORD)]
 
     def release(self):
         self.recording.release()

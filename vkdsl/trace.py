@@ -14,7 +14,8 @@ import numpy as np
 
 from . import precision
 from .graph import DTYPES
-from .realize import Program, buffer_slots, capturing
+from .realize import Program, capturing
+from .slots import buffer_slots
 from .runtime import default_device
 from .runtime.context import RECLAIM
 from .schedule import plan as schedule
@@ -62,7 +63,7 @@ RECLAIM.append(release_least_recent)
 
 
 class Traced:
-    def __init__(self, fn, device=None, guard_bytes: int = 0, keep: int = 0):
+    def __init__(self, fn, device=None, guard_bytes: int | None = None, keep: int = 0):
         """keep > 0: hold at most this many programs (one per input shapes), releasing the least
         recently used before building another; 0 keeps every one (a program holds its buffers, so
         a function called at many shapes would hold the sum of their memory)."""
@@ -106,7 +107,7 @@ class Traced:
     def plan(self, *arrays) -> dict:
         """Device bytes the program for these inputs would hold, decided without building it (the
         function is traced and scheduled; nothing is compiled or allocated): inputs, outputs,
-        temporaries after reuse (realize.buffer_slots, what Program allocates), the staging twins
+        temporaries after reuse (slots.buffer_slots, what Program allocates), the staging twins
         of a device without unified memory, and their total (a driver may round each allocation up
         to its alignment)."""
         arrays = [_as_input(a, i) for i, a in enumerate(arrays)]
@@ -145,9 +146,10 @@ def _as_input(a, i):
     raise TypeError(f"input {i}: expected a float or integer array, got dtype {a.dtype}")
 
 
-def trace(fn=None, *, device=None, guard_bytes: int = 0, keep: int = 0):
+def trace(fn=None, *, device=None, guard_bytes: int | None = None, keep: int = 0):
     """Decorator: @vkdsl.trace def step(x, y): ...; step(np_x, np_y) -> numpy results.
-    guard_bytes: sentinel words past each output (see Program.guards_intact). keep: see Traced."""
+    guard_bytes: sentinel words past each output (see Program.guards_intact; default: none, or
+    realize.guarded's). keep: see Traced."""
     if fn is None:
         return lambda f: Traced(f, device, guard_bytes, keep)
     return Traced(fn, device, guard_bytes, keep)

@@ -15,6 +15,7 @@ from vkdsl.precision import matmul_precision
 from vkdsl.verify import fp16_unsupported, register
 
 from .formats import NF4_GROUP, QuantizedWeight, from_gguf, unpack_nibbles
+from .gather import qgather
 from .linear import dequant, packed_arrays, qlinear
 from .roundtrip import roundtrip
 
@@ -117,3 +118,13 @@ register("qmatmul_f16in", _qmatmul_fp16, 1e-8,
          "the device's fp32 dequantization can round a Q4_1 weight to the other fp16 neighbour "
          "only at a tie (one element in thousands, NMSE < 1e-10); a kernel that kept fp32 inputs "
          "is off by ~1e-7", fp16_unsupported)
+
+
+def _qgather(i, p):
+    qw = from_gguf(i[0].numpy().astype(np.uint8), p["fmt"], tuple(p["shape"]))
+    return qgather(i[1], packed_arrays(qw, qw.fmt), qw.fmt, qw.shape)
+
+
+register("qgather", _qgather, 0.0,
+         "rows of the table dequantized as they are gathered: the same exact products as "
+         "dequant_*; the kernel's output is guarded, so a row written past the ids is a failure")

@@ -7,7 +7,7 @@ from vkdsl.handwritten import PushLayout, build_kernel, grid_for
 
 from .formats import get_format
 
-GATHER_PUSH = PushLayout("<4I", "quant_gather.comp")      # N, K, BASE, TOTAL
+GATHER_PUSH = PushLayout("<5I", "quant_gather.comp")      # N, K, BASE, TOTAL, IDS
 
 
 class QGather(CustomOp):
@@ -23,9 +23,10 @@ class QGather(CustomOp):
         V, D = self.shape
         k = build_kernel(rec.device, "quant_gather.comp", self.name, f.defines, 2 + len(f.arrays),
                          GATHER_PUSH, (64, 1, 1))
-        items = srcs[0].nbytes // 4 * (D // 32)          # one invocation per 32 weights of a row
+        n = srcs[0].nbytes // 4
+        items = n * (D // 32)                            # one invocation per 32 weights of a row
         rec.dispatch(k, [out, *srcs], grid_for(rec.device, items),
-                     GATHER_PUSH.pack(V, D, self.base, self.total))
+                     GATHER_PUSH.pack(V, D, self.base, self.total, n))
 
 
 def qgather(ids: Tensor, arrays, fmt: str, shape, base: int = 0,

@@ -3,11 +3,12 @@
 // One 32-element range per invocation. An id outside the table gives a NaN row, never a stray read.
 // A table that is rows [BASE, BASE + N) of one of TOTAL rows (a weight split over bindings) gives 0
 // for the other parts' rows. Bindings: 0 = out (fp32 n x K), 1 = ids (int32 n), 2.. = the format's
-// arrays. Push (host "<4I", ops/quant/gather.py): N, K, BASE, TOTAL.
+// arrays. Push (host "<5I", ops/quant/gather.py): N, K, BASE, TOTAL, IDS (how many ids: never the
+// binding's length, which is rounded up to 16 bytes or is a larger buffer's).
 #extension GL_EXT_control_flow_attributes : require
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 layout(push_constant) uniform GatherPush {
-    uint N, K, BASE, TOTAL;
+    uint N, K, BASE, TOTAL, IDS;
 } qp;
 
 uint work_item() {
@@ -21,7 +22,7 @@ layout(std430, binding = 1) readonly buffer Ids { int ids[]; };
 void main() {
     const uint nr = qp.K / 32u, item = work_item();
     const uint i = item / nr, r = item % nr;
-    if (i >= uint(ids.length())) return;
+    if (i >= qp.IDS) return;
     const int id = ids[i];
     if (id < 0 || uint(id) >= qp.TOTAL) {
         [[unroll]] for (int v = 0; v < 8; v++) o[8u * item + v] = vec4(0.0 / 0.0);

@@ -44,7 +44,7 @@ def _release(dev_handle, buf, mem, device, nbytes, views):
 
 class Part:
     """The first `nbytes` of a larger buffer: what one value of a program sees of a slot it shares
-    with larger values (vkdsl.realize.buffer_slots), so sizes taken from a bound buffer are the
+    with larger values (vkdsl.slots.buffer_slots), so sizes taken from a bound buffer are the
     value's. Binding, copies, barriers and texel views go to the whole buffer."""
     __slots__ = ("buffer", "nbytes")
 
