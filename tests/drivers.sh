@@ -2,8 +2,9 @@
 # The real-driver campaign (issue 29): on every CPU Vulkan driver set up here -- the system's
 # lavapipe, Mesa 25's lavapipe unpacked by `./setup.sh --drivers` into .venv/drivers/mesa25, and
 # SwiftShader from Debian's chromium -- run `vkdsl devices`, `vkdsl verify`, a shortened default
-# job (one SFT step and one DPO step on small evaluation files, to its report) and `vkdsl
-# generate`, each driver selected by VK_ICD_FILENAMES. Prints one table row per driver and exits
+# job (one SFT step and one DPO step on small evaluation files, to its report), `vkdsl generate`
+# and the bundle job (generate's kernels recorded, then run with no compiler), each driver
+# selected by VK_ICD_FILENAMES. Prints one table row per driver and exits
 # non-zero if any step fails on any driver. Not part of the suite (minutes per driver); CI runs it
 # after the suite (.ci/run).
 #
@@ -38,7 +39,7 @@ for name in "${@:-lavapipe mesa25 swiftshader}"; do
     read -r icd libdir <<<"$(icd_of "$n")"
     if [ -z "${icd:-}" ] || [ ! -f "$icd" ]; then
       echo "drivers: $n is not set up here (./setup.sh --drivers); skipped" >&2
-      rows+=("| $n | not set up | | | | |")
+      rows+=("| $n | not set up | | | | | |")
       failed=1
       continue
     fi
@@ -70,11 +71,25 @@ for name in "${@:-lavapipe mesa25 swiftshader}"; do
     gen=$(step generate "$BIN/vkdsl" generate --prompt "The capital of France is" \
         --max-new-tokens 8) || failed=1
     grep -q "Paris" "$log" || { failed=1; gen="$gen, no Paris"; }
-    rows+=("| $n | $dev | $verified (all: $ver) | $train | $gen |")
+    # the bundle job: generate's kernels recorded on this driver, then the same command with no
+    # compiler anywhere (none forced, none on PATH, shipped SPIR-V off, an empty cache)
+    b=$WORK/$n-bundle
+    want=$("$BIN/vkdsl" generate --prompt "The capital of France is" --max-new-tokens 4 2>/dev/null)
+    bundle=$(step bundle "$BIN/vkdsl" compile --bundle "$b" \
+        --for "vkdsl generate --prompt 'The capital of France is' --max-new-tokens 4") || failed=1
+    got=$(VKDSL_COMPILER=none VKDSL_SPIRV_BUNDLE=$b VKDSL_SPIRV_SHIPPED=0 \
+          VKDSL_CACHE_DIR=$WORK/$n-empty-cache PATH=$BIN "$BIN/vkdsl" generate \
+          --prompt "The capital of France is" --max-new-tokens 4 2>>"$log")
+    rc=$?
+    echo "offline generate: exit $rc: $got" >>"$log"
+    if [ $rc -ne 0 ] || [ -z "$want" ] || [ "$got" != "$want" ]; then
+      failed=1; bundle="$bundle, offline run FAILED"
+    fi
+    rows+=("| $n | $dev | $verified (all: $ver) | $train | $gen | $bundle |")
     tail -n 5 "$log" >&2
   done
 done
-echo "| driver | device (vkdsl devices) | verify | short default job | generate |"
-echo "|---|---|---|---|---|"
+echo "| driver | device (vkdsl devices) | verify | short default job | generate | bundle job |"
+echo "|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"
 exit $failed
