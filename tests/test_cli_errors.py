@@ -42,6 +42,19 @@ def test_a_broken_driver_file_is_one_line_naming_it(tmp_path, icd, said):
     assert lines[0].endswith(f": {f}: {said}"), lines[0]
 
 
+def test_a_broken_driver_file_beside_a_working_one_is_named_and_the_other_device_runs(tmp_path):
+    import glob
+    good = sorted(glob.glob("/usr/share/vulkan/icd.d/lvp_icd*.json"))
+    assert good, "the system lavapipe is part of the test setup"
+    bad = tmp_path / "gone.json"
+    bad.write_text(json.dumps({"file_format_version": "1.0.0",
+                               "ICD": {"library_path": "/nonexistent/libvk.so", "api_version": "1.3.0"}}))
+    p = vkdsl(["devices"], VK_ICD_FILENAMES=f"{bad}:{good[0]}")
+    assert p.returncode == 0 and "llvmpipe" in p.stdout, p.stderr
+    assert p.stderr.strip() == (f"vkdsl: warning: a Vulkan driver file was skipped: {bad}: "
+                                "its library_path /nonexistent/libvk.so does not exist")
+
+
 def test_vkdsl_train_names_the_missing_device_before_loading_anything(setup, capsys, monkeypatch):
     monkeypatch.setenv("VKDSL_DEVICE", "nvidia")
     import vkdsl.runtime.context as ctx

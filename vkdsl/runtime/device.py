@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 import vulkan as vk
@@ -208,6 +209,9 @@ def instance():
                            vk.VkInstanceCreateInfo(pApplicationInfo=app, **extra), None,
                            detail=icd_problems()
                            or "is a Vulkan driver installed (mesa-vulkan-drivers for the CPU)?")
+        skipped = icd_problems()      # the loader passes over a broken file when another works
+        if skipped:
+            print(f"vkdsl: warning: a Vulkan driver file was skipped: {skipped}", file=sys.stderr)
     return _instance
 
 
