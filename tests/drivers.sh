@@ -4,18 +4,21 @@
 # SwiftShader from Debian's chromium -- run `vkdsl devices`, `vkdsl verify`, a shortened default
 # job (one SFT step and one DPO step on small evaluation files, to its report), `vkdsl generate`
 # and the bundle job (generate's kernels recorded, then run with no compiler), each driver
-# selected by VK_ICD_FILENAMES. Prints one table row per driver and exits
-# non-zero if any step fails on any driver. Not part of the suite (minutes per driver); CI runs it
-# after the suite (.ci/run).
+# selected by VK_ICD_FILENAMES, and `vkdsl doctor --json`. Prints the README's tested-drivers
+# table (tests/drivers_table.py) and exits non-zero if any step fails on any driver. Not part of
+# the suite (minutes per driver); CI runs it after the suite (.ci/run).
 #
 #     ./setup.sh --drivers && tests/drivers.sh [NAME...]      # names: lavapipe mesa25 swiftshader
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=$PWD/.venv/bin
-WORK=$(mktemp -d -t vkdsl-drivers-XXXXXX)
+# DRIVERS_LOGS=DIR keeps each driver's log and doctor report there (to render the table again:
+# tests/drivers_table.py DIR NAME...); otherwise they stay only when a driver failed
+WORK=${DRIVERS_LOGS:-$(mktemp -d -t vkdsl-drivers-XXXXXX)}
+mkdir -p "$WORK"
 failed=0
-# the logs stay when a driver failed (their folder is named at the end)
-trap '[ "$failed" = 0 ] && rm -rf "$WORK" || echo "drivers: logs in $WORK" >&2' EXIT
+trap '[ "$failed" = 0 ] && [ -z "${DRIVERS_LOGS:-}" ] && rm -rf "$WORK" \
+      || echo "drivers: logs in $WORK" >&2' EXIT
 
 # small evaluation files: the default job's data, cut to a few rows
 D=train/data
@@ -33,13 +36,11 @@ icd_of() {              # NAME -> "ICD_FILE LIBRARY_DIR" (empty: not set up on t
   esac
 }
 
-rows=()
-for name in "${@:-lavapipe mesa25 swiftshader}"; do
-  for n in $name; do
+names=(${@:-lavapipe mesa25 swiftshader})
+for n in "${names[@]}"; do
     read -r icd libdir <<<"$(icd_of "$n")"
     if [ -z "${icd:-}" ] || [ ! -f "$icd" ]; then
       echo "drivers: $n is not set up here (./setup.sh --drivers); skipped" >&2
-      rows+=("| $n | not set up | | | | | |")
       failed=1
       continue
     fi
@@ -47,49 +48,45 @@ for name in "${@:-lavapipe mesa25 swiftshader}"; do
     if [ "$libdir" != "-" ]; then export LD_LIBRARY_PATH=$libdir; else unset LD_LIBRARY_PATH; fi
     log=$WORK/$n.log
     : > "$log"
-    step() {            # LABEL COMMAND...: run, time, keep the output; 0/3 (gates) count as ran
+    step() {            # LABEL COMMAND...: run, time, keep the output (drivers_table.py reads it)
       local t0=$SECONDS
       "${@:2}" >>"$log" 2>&1
       local rc=$?
       echo "$1: exit $rc in $((SECONDS - t0)) s" >>"$log"
-      echo "$((SECONDS - t0)) s$([ $rc -ne 0 ] && echo " (exit $rc)")"
       return $rc
     }
     echo "drivers: $n ($icd)" >&2
-    dev=$("$BIN/vkdsl" devices 2>&1 | grep -m 1 "driver " | sed 's/^ *type [a-z]*, driver //')
-    [ -n "$dev" ] || { dev="no device"; failed=1; }
-    ver=$(step verify "$BIN/vkdsl" verify) || failed=1
-    verified=$(sed -nE 's/^([0-9]+\/[0-9]+) rows passed(, ([0-9]+) not applicable)?.*cold ([0-9.]+ s).*warm ([0-9.]+ s).*/\1 passed, \3 n\/a, cold \4, warm \5/p' "$log" | tail -n 1)
+    "$BIN/vkdsl" devices >>"$log" 2>&1 && grep -q "driver " "$log" || failed=1
+    step verify "$BIN/vkdsl" verify || failed=1
+    # the README's table row: the device, its driver version and the benchmarks, as doctor sees them
+    step doctor bash -c '"$0" doctor --json >"$1"' "$BIN/vkdsl" "$WORK/$n.doctor.json" || failed=1
     out=$WORK/$n-run
-    train=$(step train "$BIN/vkdsl-train" --no-verify --steps 1 --warmup 1 --dpo-steps 1 \
+    step train "$BIN/vkdsl-train" --no-verify --steps 1 --warmup 1 --dpo-steps 1 \
         --heldout-file "$WORK/held.jsonl" --preservation-file "$WORK/pres.jsonl" \
         --dpo-train-file "$WORK/prefs.jsonl" --dpo-heldout-file "$WORK/prefs_held.jsonl" \
-        --eval-batch 4 --stability-rows 2 --format-examples 1 --out "$out")
+        --eval-batch 4 --stability-rows 2 --format-examples 1 --out "$out"
     rc=$?
     # one step does not pass every gate: what counts is that the job ran to its report
-    if [ $rc -ne 0 ] && [ $rc -ne 3 ] || [ ! -f "$out/report.html" ]; then failed=1; train="$train FAILED"; fi
-    gen=$(step generate "$BIN/vkdsl" generate --prompt "The capital of France is" \
-        --max-new-tokens 8) || failed=1
-    grep -q "Paris" "$log" || { failed=1; gen="$gen, no Paris"; }
+    if [ $rc -ne 0 ] && [ $rc -ne 3 ] || [ ! -f "$out/report.html" ]; then failed=1; fi
+    step generate bash -c 'o=$("$0" generate --prompt "The capital of France is" \
+        --max-new-tokens 8) && echo "$o" && grep -q Paris <<<"$o"' "$BIN/vkdsl" || failed=1
     # the bundle job: generate's kernels recorded on this driver, then the same command with no
-    # compiler anywhere (none forced, none on PATH, shipped SPIR-V off, an empty cache)
+    # compiler anywhere (none forced, none on PATH, shipped SPIR-V off, an empty cache): same text
     b=$WORK/$n-bundle
-    want=$("$BIN/vkdsl" generate --prompt "The capital of France is" --max-new-tokens 4 2>/dev/null)
-    bundle=$(step bundle "$BIN/vkdsl" compile --bundle "$b" \
-        --for "vkdsl generate --prompt 'The capital of France is' --max-new-tokens 4") || failed=1
-    got=$(VKDSL_COMPILER=none VKDSL_SPIRV_BUNDLE=$b VKDSL_SPIRV_SHIPPED=0 \
-          VKDSL_CACHE_DIR=$WORK/$n-empty-cache PATH=$BIN "$BIN/vkdsl" generate \
-          --prompt "The capital of France is" --max-new-tokens 4 2>>"$log")
-    rc=$?
-    echo "offline generate: exit $rc: $got" >>"$log"
-    if [ $rc -ne 0 ] || [ -z "$want" ] || [ "$got" != "$want" ]; then
-      failed=1; bundle="$bundle, offline run FAILED"
-    fi
-    rows+=("| $n | $dev | $verified (all: $ver) | $train | $gen | $bundle |")
+    export WANT=$("$BIN/vkdsl" generate --prompt "The capital of France is" --max-new-tokens 4 \
+                  2>/dev/null)
+    step bundle "$BIN/vkdsl" compile --bundle "$b" \
+        --for "vkdsl generate --prompt 'The capital of France is' --max-new-tokens 4" || failed=1
+    step offline env VKDSL_COMPILER=none VKDSL_SPIRV_BUNDLE="$b" VKDSL_SPIRV_SHIPPED=0 \
+        VKDSL_CACHE_DIR="$WORK/$n-empty-cache" PATH="$BIN" "$BIN/python" -c '
+import os, subprocess, sys
+got = subprocess.run([sys.argv[1], "generate", "--prompt", "The capital of France is",
+                      "--max-new-tokens", "4"], stdout=subprocess.PIPE, text=True)
+print("offline generate:", repr(got.stdout), "wanted", repr(os.environ["WANT"]))
+same = got.stdout.strip() and got.stdout.rstrip("\n") == os.environ["WANT"]
+sys.exit(got.returncode or not same)
+' "$BIN/vkdsl" || failed=1
     tail -n 5 "$log" >&2
-  done
 done
-echo "| driver | device (vkdsl devices) | verify | short default job | generate | bundle job |"
-echo "|---|---|---|---|---|---|"
-printf '%s\n' "${rows[@]}"
+"$BIN/python" tests/drivers_table.py "$WORK" "${names[@]}"
 exit $failed
