@@ -1,6 +1,7 @@
 """The README's tested-drivers table, from what tests/drivers.sh kept for each driver:
-NAME.doctor.json (`vkdsl doctor --json`: the device, its driver version, the matmul and SFT-step benchmarks) and
-NAME.log (verify's summary line with its cold and warm times, each step's exit status and time).
+NAME.doctor.json (`vkdsl doctor --json`: the device, its driver version, the matmul and SFT-step
+benchmarks) and NAME.log (verify's summary line with its cold and warm times, each step's exit
+status and time).
 
     python tests/drivers_table.py LOGDIR NAME...      # prints one Markdown row per driver
 """
@@ -51,8 +52,11 @@ def row(logdir: Path, name: str) -> str:
     if "name" in doc:
         dev += f", {doc['name']['why']}"
     mm = doc.get("matmul 512^3 fp32")
-    matmul = (f"{mm['value']} ({mm['why'].split('ratio ')[-1].rstrip(')')}x numpy's)"
-              if mm else "")
+    matmul = ""
+    if mm:      # the ratio again, to more places than doctor prints (SwiftShader's is 0.005)
+        rate, numpy = (float(re.search(r"([0-9.]+) GFLOP/s", t)[1])
+                       for t in (mm["value"], mm["why"]))
+        matmul = f"{mm['value']} ({rate / numpy:.2g}x numpy's)"
     sft = doc.get("SFT step", {})
     sft = f"{sft['value']}, {sft['why'].split(' per step')[0]}" if sft else ""
     # one step cannot pass every gate: exit 3 (gates) still means the job ran to its report

@@ -29,7 +29,7 @@ def test_a_row_states_each_measure_and_each_failed_step(tmp_path):
     (tmp_path / "ss.doctor.json").write_text(json.dumps(DOCTOR))
     cells = [c.strip() for c in drivers_table.row(tmp_path, "ss").split("|")[1:-1]]
     assert cells == ["ss", "SwiftShader Device (Subzero) (cpu; SwiftShader driver 5.0.0), Vulkan 1.3.0",
-                     "318/318, 28 n/a", "11.8 s / 3.6 s", "0.9 GFLOP/s (0.00x numpy's)",
+                     "318/318, 28 n/a", "11.8 s / 3.6 s", "0.9 GFLOP/s (0.0033x numpy's)",
                      "2 tokens/s, 31.50 s", "863 s", "28 s (exit 1)", "40 s, offline not run"]
     assert len(cells) == drivers_table.HEADER.splitlines()[0].count("|") - 1
 
