@@ -1,6 +1,7 @@
 """Every error a user can cause is one line naming what it concerns, exit status 1, no traceback
 (VKDSL_DEBUG=1 keeps it): a missing device, undecodable data, settings written wrong."""
 import json
+import re
 
 import pytest
 
@@ -53,6 +54,18 @@ def test_a_broken_driver_file_beside_a_working_one_is_named_and_the_other_device
     assert p.returncode == 0 and "llvmpipe" in p.stdout, p.stderr
     assert p.stderr.strip() == (f"vkdsl: warning: a Vulkan driver file was skipped: {bad}: "
                                 "its library_path /nonexistent/libvk.so does not exist")
+
+
+def test_with_swiftshader_beside_lavapipe_lavapipe_is_the_default_and_both_name_a_version():
+    import glob
+    lvp = sorted(glob.glob("/usr/share/vulkan/icd.d/lvp_icd*.json"))[0]
+    ss = "/usr/lib/chromium/vk_swiftshader_icd.json"      # ./setup.sh --test installs chromium
+    p = vkdsl(["devices", "--json"], VK_ICD_FILENAMES=f"{ss}:{lvp}")
+    assert p.returncode == 0, p.stderr
+    devs = [json.loads(line) for line in p.stdout.splitlines()]         # one object a device
+    assert sorted(d["name"].split()[0] for d in devs) == ["SwiftShader", "llvmpipe"]
+    assert [d["name"].split()[0] for d in devs if d["default"]] == ["llvmpipe"]
+    assert all(re.search(r"\d+\.\d+", d["driver_info"]) for d in devs), devs
 
 
 def test_vkdsl_train_names_the_missing_device_before_loading_anything(setup, capsys, monkeypatch):

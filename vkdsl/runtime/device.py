@@ -110,7 +110,9 @@ def _info(index: int, pd) -> DeviceInfo:
     return DeviceInfo(index=index, name=props.deviceName,
                       kind=_TYPE_NAMES.get(props.deviceType, "other"),
                       driver=vk.ffi.string(drv.driverName).decode(errors="replace"),
-                      driver_info=vk.ffi.string(drv.driverInfo).decode(errors="replace"),
+                      # SwiftShader leaves driverInfo empty: its packed driverVersion says it
+                      driver_info=(vk.ffi.string(drv.driverInfo).decode(errors="replace")
+                                   or f"version {_version(props.driverVersion)}"),
                       api_version=_version(props.apiVersion), heaps=heaps,
                       host_visible_device_local=unified, limits=limits, handle=pd)
 
@@ -239,7 +241,9 @@ def select(spec: str | int | None = None) -> DeviceInfo:
     if spec is None or spec == "":
         spec = os.environ.get("VKDSL_DEVICE") or None
     if spec is None:
-        return min(devices, key=lambda d: (_PREFERENCE.index(d.kind), d.index))
+        # among CPU drivers lavapipe first: SwiftShader runs these kernels about 30x slower
+        return min(devices, key=lambda d: (_PREFERENCE.index(d.kind), "SwiftShader" in d.name,
+                                           d.index))
     listing = "\n  ".join(d.describe() for d in devices)
     s = str(spec).strip()
     if s.isdigit():
