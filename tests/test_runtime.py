@@ -107,6 +107,32 @@ def test_workgroup_limits_enforced(dev):
         get_kernel(dev, "scale", compile_glsl("scale", SCALE), 1, 8, local_size=(4096, 1, 1))
 
 
+def _shared_kernel(shared: str = "", reads: str = "0.0", local: str = "local_size_x_id = 0") -> str:
+    """A kernel declaring `shared` and storing `reads` (an expression over them: the optimizer
+    keeps only shared variables that are read)."""
+    return (f"#version 450\n#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require\n"
+            f"layout({local}) in;\nlayout(std430, binding = 0) buffer B {{ float x[]; }};\n{shared}\n"
+            f"void main() {{ uint i = gl_LocalInvocationID.x; x[i] = float({reads}); }}\n")
+
+
+def test_a_shaders_own_sizes_are_read_and_refused_beyond_the_device(dev):
+    from vkdsl.runtime.spirv_limits import needs
+    # bytes counted from the declarations: 100 floats, 10 vec4s, a 4 x 8 array of 16-bit halves
+    src = _shared_kernel("shared float a[100]; shared vec4 b[10]; shared float16_t c[4][8];",
+                         "a[i] + b[i].y + float(c[i][i])")
+    assert needs(compile_glsl("count", src)) == (None, 100 * 4 + 10 * 16 + 4 * 8 * 2)
+    assert needs(compile_glsl("fixed", _shared_kernel(local="local_size_x = 32, local_size_y = 2"))) \
+        == ((32, 2, 1), 0)
+    too_much = dev.limits.max_shared_memory // 4 + 1               # one float beyond the limit
+    with pytest.raises(ValueError, match="beyond the device's maxComputeSharedMemorySize"):
+        get_kernel(dev, "big_shared", compile_glsl("big_shared", _shared_kernel(
+            f"shared float s[{too_much}];", "s[i]")), 1)
+    wide = dev.limits.max_workgroup_invocations // 32 * 2               # twice the invocations
+    with pytest.raises(ValueError, match=r"its shader fixes workgroup \(32, %d, 1\)" % wide):
+        get_kernel(dev, "wide", compile_glsl("wide", _shared_kernel(
+            local=f"local_size_x = 32, local_size_y = {wide}")), 1)
+
+
 _SCALE_RUN = """
 import numpy as np
 from vkdsl.compiler import compile_glsl

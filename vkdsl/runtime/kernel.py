@@ -7,6 +7,7 @@ import hashlib
 import vulkan as vk
 
 from .errors import vkcall
+from .spirv_limits import refuse_beyond
 
 
 class Kernel:
@@ -21,6 +22,7 @@ class Kernel:
             raise ValueError(f"kernel {name}: workgroup {local_size} exceeds the device limits "
                              f"{device.limits.max_workgroup_size} / "
                              f"{device.limits.max_workgroup_invocations}")
+        refuse_beyond(name, spirv, device.limits)       # sizes written into the shader itself
         self.device, self.name, self.n_buffers, self.push_size = device, name, n_buffers, push_size
         self.local_size, self.texels = local_size, dict(texels)     # binding -> texel format
         h = device.handle
