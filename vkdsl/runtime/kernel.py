@@ -7,7 +7,7 @@ import hashlib
 import vulkan as vk
 
 from .errors import vkcall
-from .spirv_limits import refuse_beyond
+from .spirv_limits import refuse_beyond, workgroup_beyond
 
 
 class Kernel:
@@ -16,9 +16,7 @@ class Kernel:
         if push_size > device.limits.max_push_constants:
             raise ValueError(f"kernel {name}: {push_size} bytes of push constants exceed "
                              f"the device limit of {device.limits.max_push_constants}")
-        inv = local_size[0] * local_size[1] * local_size[2]
-        if inv > device.limits.max_workgroup_invocations or any(
-                a > b for a, b in zip(local_size, device.limits.max_workgroup_size)):
+        if workgroup_beyond(local_size, device.limits):
             raise ValueError(f"kernel {name}: workgroup {local_size} exceeds the device limits "
                              f"{device.limits.max_workgroup_size} / "
                              f"{device.limits.max_workgroup_invocations}")

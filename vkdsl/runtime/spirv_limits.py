@@ -7,8 +7,6 @@ Only the module's preamble is read (types, constants, decorations, globals come 
 function), so this costs well under a millisecond a kernel."""
 from __future__ import annotations
 
-import struct
-
 _MAGIC = 0x07230203
 _OP_EXECUTION_MODE, _OP_TYPE_INT, _OP_TYPE_FLOAT = 16, 21, 22
 _OP_TYPE_VECTOR, _OP_TYPE_MATRIX, _OP_TYPE_BOOL, _OP_TYPE_ARRAY = 23, 24, 20, 28
@@ -22,7 +20,7 @@ def needs(spirv: bytes) -> tuple[tuple[int, int, int] | None, int]:
     """(the workgroup size fixed in the module, or None when it comes from specialization
     constants; the bytes of workgroup-shared variables)."""
     n = len(spirv) // 4
-    words = struct.unpack(f"<{n}I", spirv[:4 * n])
+    words = memoryview(spirv)[:4 * n].cast("I")     # no copy: only the preamble is read
     if n < 5 or words[0] != _MAGIC:
         raise ValueError(f"not a SPIR-V module ({len(spirv)} bytes"
                          + (f", first word {words[0]:#x})" if n else ")"))
@@ -63,12 +61,17 @@ def needs(spirv: bytes) -> tuple[tuple[int, int, int] | None, int]:
     return (None if size_id in spec_composites else local), shared
 
 
+def workgroup_beyond(local, limits) -> bool:
+    """Whether a workgroup of this size exceeds the device's per-axis or total invocations."""
+    return (local[0] * local[1] * local[2] > limits.max_workgroup_invocations
+            or any(a > b for a, b in zip(local, limits.max_workgroup_size)))
+
+
 def refuse_beyond(name: str, spirv: bytes, limits) -> None:
     """Raise ValueError naming the limit when the module's own workgroup size or shared memory
     exceeds the device's."""
     local, shared = needs(spirv)
-    if local is not None and (local[0] * local[1] * local[2] > limits.max_workgroup_invocations
-                              or any(a > b for a, b in zip(local, limits.max_workgroup_size))):
+    if local is not None and workgroup_beyond(local, limits):
         raise ValueError(f"kernel {name}: its shader fixes workgroup {local}, beyond the device's "
                          f"maxComputeWorkGroupSize {tuple(limits.max_workgroup_size)} / "
                          f"maxComputeWorkGroupInvocations {limits.max_workgroup_invocations}")
