@@ -16,7 +16,8 @@ from vkdsl import Tensor
 from vkdsl.autograd import grad
 from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.custom import CustomOp, custom
-from vkdsl.handwritten import build_kernel, has_int64
+from vkdsl.handwritten import build_kernel, default_variant, has_int64
+from vkdsl.matmul import texel_fits
 from vkdsl.tensor import ShapeError
 
 from .nn import causal_mask, softmax
@@ -63,6 +64,24 @@ def _defines(dev, D, G, **more) -> dict:
     return {"D": D, "G": G, **more, **({} if has_int64(dev) else {"NO_INT64": 1})}
 
 
+def _kernel(dev, source, name, defines, n_buffers, dims, mask_binding, stats_binding=None):
+    """Build one of the fused kernels, its operands read as texel buffers where that is the fast
+    load (the CPU-driver kernel family, operands within maxTexelBufferElements:
+    kernels/attention_io.glsl), else as storage buffers."""
+    B, Tq, Tk, Hq, Hkv, D = dims
+    if default_variant(dev) == "lvp" and texel_fits(dev, B * Tq * Hq * D, B * Tq * max(Tk, 2)):
+        texels = {b: "rgba32f" for b in range(1, n_buffers) if b not in (mask_binding,
+                                                                          stats_binding)}
+        texels[mask_binding] = "r32ui"
+        if stats_binding is not None:
+            texels[stats_binding] = "r32f"
+        name, defines = name + "_t", {**defines, "TEXEL": 1}
+    else:
+        texels = None
+    return build_kernel(dev, source, name, defines, n_buffers, PUSH_SIZE, (64, 1, 1),
+                        texels=texels)
+
+
 def attention_composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                        causal: bool = True) -> Tensor:
     """Self-attention with grouped-query heads.
@@ -105,8 +124,8 @@ class FusedAttention(CustomOp):
 
     def record(self, rec, out, srcs):
         B, Tq, Tk, Hq, Hkv, D = self.dims
-        k = build_kernel(rec.device, "attention.comp", self.name,
-                         _defines(rec.device, D, Hq // Hkv), 5, PUSH_SIZE, (64, 1, 1))
+        k = _kernel(rec.device, "attention.comp", self.name, _defines(rec.device, D, Hq // Hkv),
+                    5, self.dims, 4)
         mask = srcs[3] if self.has_mask else srcs[0]      # an unused binding still needs a buffer
         groups = (-(-Tq // 64), Hkv, B)         # a workgroup = 64 queries of one (batch, kv head)
         rec.dispatch(k, [out, srcs[0], srcs[1], srcs[2], mask], groups,
@@ -156,9 +175,8 @@ class AttentionBackward(CustomOp):
         given = dict(zip([n for n in names if n], srcs))
         mask = srcs[-1] if self.has_mask else srcs[0]        # unused bindings still need a buffer
         bufs = [out] + [given.get(n, srcs[0]) if n else srcs[0] for n in names] + [mask]
-        k = build_kernel(rec.device, "attention_backward.comp", self.name,
-                         _defines(rec.device, D, Hq // Hkv, PASS=self.pass_), 8, PUSH_SIZE,
-                         (64, 1, 1))
+        k = _kernel(rec.device, "attention_backward.comp", self.name,
+                    _defines(rec.device, D, Hq // Hkv, PASS=self.pass_), 8, self.dims, 7, 5)
         groups = (-(-Tk // 128), Hkv, B) if self.pass_ == PASS_DKV else (-(-Tq // 64), Hkv, B)
         rec.dispatch(k, bufs, groups, struct.pack(PUSH, B, Tq, Tk, Hq, Hkv, int(self.causal),
                                                   int(self.has_mask), 1.0 / math.sqrt(D)))
@@ -185,16 +203,19 @@ def fused_attention(q, k, v, mask, causal, spans=None):
 
 def builtin_variants(dev) -> list[str]:
     """Compile (to SPIR-V) the fused kernels for common head shapes (D 64 with 3 query heads per kv
-    head, as SmolLM2-135M; D 64 without grouping), for bundles."""
+    head, as SmolLM2-135M; D 64 without grouping), storage and texel loads, for bundles."""
     names = []
     for d, g in ((64, 3), (64, 1)):
-        compile_glsl(f"attention_d{d}_g{g}", kernel_source("attention.comp"), {"D": d, "G": g})
-        names.append(f"attention_d{d}_g{g}")
-        for p in (PASS_STATS, PASS_DQ, PASS_DKV):
-            name = f"attention_backward{p}_d{d}_g{g}"
-            compile_glsl(name, kernel_source("attention_backward.comp"),
-                         {"D": d, "G": g, "PASS": p})
-            names.append(name)
+        for texel in ({}, {"TEXEL": 1}):
+            tail = "_t" if texel else ""
+            compile_glsl(f"attention_d{d}_g{g}{tail}", kernel_source("attention.comp"),
+                         {"D": d, "G": g, **texel})
+            names.append(f"attention_d{d}_g{g}{tail}")
+            for p in (PASS_STATS, PASS_DQ, PASS_DKV):
+                name = f"attention_backward{p}_d{d}_g{g}{tail}"
+                compile_glsl(name, kernel_source("attention_backward.comp"),
+                             {"D": d, "G": g, "PASS": p, **texel})
+                names.append(name)
     return names
 
 

@@ -53,6 +53,23 @@ def reference_grads(q, k, v, g, mask=None, causal=True):
     return dq, fold(dk), fold(dv)
 
 
+@pytest.fixture(params=["texel", "storage"])
+def loads(request, dev, monkeypatch):
+    """The kernels read their operands as texel buffers (lavapipe's choice) or as storage buffers (GPUs'
+    choice, and a CPU driver's where an operand is beyond maxTexelBufferElements): both run here."""
+    if request.param == "storage":
+        monkeypatch.setattr(A, "texel_fits", lambda *a: False)
+    elif dev.info.kind != "cpu" or not dev.limits.max_texel_elements:
+        pytest.skip("texel loads are a CPU-driver choice")
+    return request.param
+
+
+def built_attention(dev) -> set:
+    """Names of the fused attention kernels this device has built."""
+    return {key[2] for key in dev.kernels
+            if isinstance(key, tuple) and key[0] == "variant" and key[1].startswith("attention")}
+
+
 def device(q, k, v, g, mask=None, causal=True):
     Q, K, V = (vkdsl.tensor(a, requires_grad=True) for a in (q, k, v))
     M = None if mask is None else vkdsl.tensor(mask)
@@ -67,10 +84,13 @@ SHAPES = [  # B, T, Hq, Hkv, D: one workgroup; several (70 > 64 queries); more k
 
 
 @pytest.mark.parametrize("B,T,Hq,Hkv,D", SHAPES)
-def test_fused_causal_matches_float64(dev, rng, B, T, Hq, Hkv, D):
+def test_fused_causal_matches_float64(dev, rng, loads, B, T, Hq, Hkv, D):
     q, k, v = f32(rng, B, T, Hq, D), f32(rng, B, T, Hkv, D), f32(rng, B, T, Hkv, D)
     g = f32(rng, B, T, Hq, D)
     out, grads = device(q, k, v, g)
+    names = {n for n in built_attention(dev) if n.endswith(f"_d{D}_g{Hq // Hkv}" + "_t" * (loads ==
+                                                                                      "texel"))}
+    assert len(names) == 4, f"{loads} loads: the forward and three backward passes, built {names}"
     assert nmse(out, reference(q, k, v)) < LIMIT
     for name, got, want in zip("qkv", grads, reference_grads(q, k, v, g)):
         assert nmse(got, want) < LIMIT, f"d{name}: nmse {nmse(got, want):.2e}"
@@ -87,7 +107,7 @@ def segment_mask(B, T, rng, holes=True):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_fused_with_mask_matches_float64(dev, rng, causal):
+def test_fused_with_mask_matches_float64(dev, rng, loads, causal):
     B, T, Hq, Hkv, D = 2, 75, 6, 2, 16
     q, k, v = f32(rng, B, T, Hq, D), f32(rng, B, T, Hkv, D), f32(rng, B, T, Hkv, D)
     g, mask = f32(rng, B, T, Hq, D), segment_mask(B, T, rng)
@@ -146,7 +166,7 @@ def spans_of(lengths, T):
 
 @pytest.mark.parametrize("T,lengths", [(300, [70, 130, 25, 55]), (2048, [900, 600, 400, 100])],
                          ids=["300", "2048"])
-def test_packed_rows_by_span_match_float64_and_finite_differences(dev, rng, T, lengths):
+def test_packed_rows_by_span_match_float64_and_finite_differences(dev, rng, loads, T, lengths):
     """Rows packed into one long sequence (fused attention with row spans): forward and gradients
     against float64 with the rows' block-diagonal mask, and the gradient along a random direction
     against central differences of that float64 forward (a small width: 2 query heads, D = 8)."""

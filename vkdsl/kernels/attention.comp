@@ -3,7 +3,9 @@
 // online softmax (running max m, running sum l) for each of the G query heads that share that kv
 // head, so the T x T score matrix never exists and each key/value load serves G heads.
 // A workgroup holds 64 queries of one (batch, kv head): the key/value addresses are then the same
-// for every lane (uniform loads, which CPU drivers turn into one load instead of a loop over lanes).
+// for every lane. Loads go 8 floats at a time through attention_io.glsl: texel buffers with TEXEL
+// (llvmpipe proves no loop-carried address uniform, so its storage loads loop over the lanes; a
+// texelFetch is one gather: 1.6x this kernel), storage buffers otherwise.
 // q (B, Tq, Hq, D), k and v (B, Tk, Hkv, D), out (B, Tq, Hq, D). has_mask 1: mask (B, Tq, Tk)
 // additive; 2: spans (B, T, 2) uint, each token's row [start, end) in a packed sequence (causal, rows
 // contiguous, so starts and ends never decrease along T): query i sees keys start_i..i only, and the
@@ -12,12 +14,11 @@
 #extension GL_EXT_control_flow_attributes : require
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 layout(std430, binding = 0) writeonly buffer O_ { vec4 o_out[]; };
-layout(std430, binding = 1) readonly buffer Q_ { vec4 q_in[]; };
-#include "pack8.glsl"
-layout(std430, binding = 2) readonly buffer K_ { pack8 k_in[]; };
-layout(std430, binding = 3) readonly buffer V_ { pack8 v_in[]; };
-layout(std430, binding = 4) readonly buffer M_ { float mask[]; };
-layout(std430, binding = 4) readonly buffer R_ { uvec2 spans[]; };
+#define MB 4
+#include "attention_io.glsl"
+F_BUFFER(1, q_in)
+F_BUFFER(2, k_in)
+F_BUFFER(3, v_in)
 layout(push_constant) uniform AttnPush { uint B, Tq, Tk, Hq, Hkv, causal, has_mask; float scale; } ap;
 
 const int D4 = D / 4;
@@ -33,7 +34,7 @@ void main() {
     float m[G], l[G];
     [[unroll]] for (int t = 0; t < G; t++) {
         [[unroll]] for (int d = 0; d < D4; d++) {
-            q[t][d] = q_in[(item + t) * D4 + d] * ap.scale;
+            q[t][d] = LOAD4(q_in, (item + t) * D4 + d) * ap.scale;
             o[t][d] = vec4(0.0);
         }
         m[t] = NEG_INF;
@@ -43,14 +44,14 @@ void main() {
     const uint i_last = min(i0 + gl_WorkGroupSize.x, ap.Tq) - 1u;
     const uint last = ap.causal != 0u ? min(ap.Tk, i_last + (ap.Tk - ap.Tq) + 1u) : ap.Tk;
     const uint mine = ap.causal != 0u ? i + (ap.Tk - ap.Tq) : ap.Tk;
-    const uint lo = ap.has_mask == 2u ? spans[b * ap.Tq + ic].x : 0u;
-    const uint first = ap.has_mask == 2u ? spans[b * ap.Tq + i0].x : 0u;
+    const uint lo = ap.has_mask == 2u ? SPANS(b * ap.Tq + ic).x : 0u;
+    const uint first = ap.has_mask == 2u ? SPANS(b * ap.Tq + i0).x : 0u;
     for (uint j = first; j < last; j++) {
         const uint kbase = ((b * ap.Tk + j) * ap.Hkv + kvh) * D4;
-        const float add = ap.has_mask == 1u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
+        const float add = ap.has_mask == 1u ? MASK((b * ap.Tq + ic) * ap.Tk + j) : 0.0;
         if (j > mine || j < lo || add == NEG_INF) continue;      // a masked key adds nothing
         vec4 kj[D4];
-        [[unroll]] for (int d = 0; d < D4 / 2; d++) unpack8(k_in[kbase / 2 + d], kj[2 * d], kj[2 * d + 1]);
+        [[unroll]] for (int d = 0; d < D4 / 2; d++) LOAD8(k_in, kbase / 2 + d, kj[2 * d], kj[2 * d + 1]);
         float p[G], corr[G];
         [[unroll]] for (int t = 0; t < G; t++) {
             vec4 acc = vec4(0.0);
@@ -63,7 +64,7 @@ void main() {
             m[t] = m_new;
         }
         vec4 vj[D4];
-        [[unroll]] for (int d = 0; d < D4 / 2; d++) unpack8(v_in[kbase / 2 + d], vj[2 * d], vj[2 * d + 1]);
+        [[unroll]] for (int d = 0; d < D4 / 2; d++) LOAD8(v_in, kbase / 2 + d, vj[2 * d], vj[2 * d + 1]);
         // rescale only when the running max moved (corr != 1): after the first keys that is rare,
         // and a branch no lane of a SIMD group takes is skipped; o * 1 is exact, so this is bit for
         // bit the unconditional o * corr + p * v

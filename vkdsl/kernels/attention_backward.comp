@@ -9,30 +9,27 @@
 // Passes 0 and 1: one invocation per (batch, query, kv head) for all G of its query heads, a
 // workgroup = 64 queries, so each k_j / v_j load serves G heads. Pass 2: one invocation per
 // (batch, key, kv head), a workgroup = 64 keys. Either way the operand streamed over the loop is at
-// a workgroup-uniform address, loaded 8 floats at a time (on CPU drivers each load whose address
-// the compiler cannot prove uniform is a loop over the SIMD lanes: fewer, wider loads win).
+// a workgroup-uniform address, loaded 8 floats at a time, from texel buffers with TEXEL (CPU
+// drivers: a gather, where a storage load at an address llvmpipe cannot prove uniform is a loop over
+// the SIMD lanes) or storage buffers (attention_io.glsl).
 // Shapes and has_mask (1 an additive mask, 2 packed rows' spans) as attention.comp; with spans,
 // passes 0 and 1 start at the workgroup's first query's row start, pass 2 stops at its last key's
 // row end. A query that sees no key gets lse = +inf, so its p is 0 (zero gradients).
 #extension GL_EXT_control_flow_attributes : require
-#include "pack8.glsl"
 layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;
 #if PASS == 0
 layout(std430, binding = 0) writeonly buffer Out_ { vec2 stats_out[]; };  // (B, Tq, Hq, 2)
 #else
 layout(std430, binding = 0) writeonly buffer Out_ { vec4 out4[]; };
 #endif
-layout(std430, binding = 1) readonly buffer Q_ { vec4 q_in[]; };
-layout(std430, binding = 2) readonly buffer K_ { pack8 k_in[]; };
-layout(std430, binding = 3) readonly buffer V_ { pack8 v_in[]; };
-layout(std430, binding = 4) readonly buffer G_ { vec4 g_in[]; };          // dO
-layout(std430, binding = 5) readonly buffer S_ { vec2 stats[]; };         // (lse, delta): passes 1, 2
-layout(std430, binding = 6) readonly buffer O_ { vec4 o_in[]; };          // the forward's output: pass 0
-layout(std430, binding = 7) readonly buffer M_ { float mask[]; };
-layout(std430, binding = 7) readonly buffer R_ { uvec2 spans[]; };
-// the same buffers as 8-float chunks, for the operands pass 2 streams
-layout(std430, binding = 1) readonly buffer Q8_ { pack8 q8[]; };
-layout(std430, binding = 4) readonly buffer G8_ { pack8 g8[]; };
+#define MB 7
+#define SB 5                                        // (lse, delta): passes 1, 2
+#include "attention_io.glsl"
+F_BUFFER(1, q_in)
+F_BUFFER(2, k_in)
+F_BUFFER(3, v_in)
+F_BUFFER(4, g_in)                                   // dO
+F_BUFFER(6, o_in)                                   // the forward's output: pass 0
 layout(push_constant) uniform AttnPush { uint B, Tq, Tk, Hq, Hkv, causal, has_mask; float scale; } ap;
 
 const int D4 = D / 4, D8 = D / 8;
@@ -49,21 +46,21 @@ void main() {
     const uint item = (b * ap.Tq + ic) * ap.Hq + kvh * G;     // first of this query's G heads
     vec4 q[G][D4];
     [[unroll]] for (int t = 0; t < G; t++)
-        [[unroll]] for (int d = 0; d < D4; d++) q[t][d] = q_in[(item + t) * D4 + d] * ap.scale;
+        [[unroll]] for (int d = 0; d < D4; d++) q[t][d] = LOAD4(q_in, (item + t) * D4 + d) * ap.scale;
     const uint i_last = min(i0 + gl_WorkGroupSize.x, ap.Tq) - 1u;
     const uint last = ap.causal != 0u ? min(ap.Tk, i_last + (ap.Tk - ap.Tq) + 1u) : ap.Tk;
     const uint mine = ap.causal != 0u ? i + (ap.Tk - ap.Tq) : ap.Tk;
-    const uint lo = ap.has_mask == 2u ? spans[b * ap.Tq + ic].x : 0u;
-    const uint first = ap.has_mask == 2u ? spans[b * ap.Tq + i0].x : 0u;
+    const uint lo = ap.has_mask == 2u ? SPANS(b * ap.Tq + ic).x : 0u;
+    const uint first = ap.has_mask == 2u ? SPANS(b * ap.Tq + i0).x : 0u;
 #if PASS == 0
     float m[G], l[G];
     [[unroll]] for (int t = 0; t < G; t++) { m[t] = NEG_INF; l[t] = 0.0; }
     for (uint j = first; j < last; j++) {
         const uint kb = ((b * ap.Tk + j) * ap.Hkv + kvh) * D8;
-        const float add = ap.has_mask == 1u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
+        const float add = ap.has_mask == 1u ? MASK((b * ap.Tq + ic) * ap.Tk + j) : 0.0;
         if (j > mine || j < lo || add == NEG_INF) continue;
         vec4 kj[D4];
-        [[unroll]] for (int d = 0; d < D8; d++) unpack8(k_in[kb + d], kj[2 * d], kj[2 * d + 1]);
+        [[unroll]] for (int d = 0; d < D8; d++) LOAD8(k_in, kb + d, kj[2 * d], kj[2 * d + 1]);
         [[unroll]] for (int t = 0; t < G; t++) {
             vec4 acc = vec4(0.0);
             [[unroll]] for (int d = 0; d < D4; d++) acc += q[t][d] * kj[d];
@@ -75,7 +72,7 @@ void main() {
     if (live) {
         [[unroll]] for (int t = 0; t < G; t++) {
             vec4 acc = vec4(0.0);
-            [[unroll]] for (int d = 0; d < D4; d++) acc += g_in[(item + t) * D4 + d] * o_in[(item + t) * D4 + d];
+            [[unroll]] for (int d = 0; d < D4; d++) acc += LOAD4(g_in, (item + t) * D4 + d) * LOAD4(o_in, (item + t) * D4 + d);
             stats_out[item + t] = vec2(l[t] > 0.0 ? m[t] + log(l[t]) : 1.0 / 0.0, hsum(acc));
         }
     }
@@ -84,20 +81,20 @@ void main() {
     float lse[G], delta[G];
     [[unroll]] for (int t = 0; t < G; t++) {
         [[unroll]] for (int d = 0; d < D4; d++) {
-            g[t][d] = g_in[(item + t) * D4 + d];
+            g[t][d] = LOAD4(g_in, (item + t) * D4 + d);
             dq[t][d] = vec4(0.0);
         }
-        lse[t] = stats[item + t].x;
-        delta[t] = stats[item + t].y;
+        lse[t] = STATS(item + t).x;
+        delta[t] = STATS(item + t).y;
     }
     for (uint j = first; j < last; j++) {
         const uint kb = ((b * ap.Tk + j) * ap.Hkv + kvh) * D8;
-        const float add = ap.has_mask == 1u ? mask[(b * ap.Tq + ic) * ap.Tk + j] : 0.0;
+        const float add = ap.has_mask == 1u ? MASK((b * ap.Tq + ic) * ap.Tk + j) : 0.0;
         if (j > mine || j < lo || add == NEG_INF) continue;
         vec4 kj[D4], vj[D4];
         [[unroll]] for (int d = 0; d < D8; d++) {
-            unpack8(k_in[kb + d], kj[2 * d], kj[2 * d + 1]);
-            unpack8(v_in[kb + d], vj[2 * d], vj[2 * d + 1]);
+            LOAD8(k_in, kb + d, kj[2 * d], kj[2 * d + 1]);
+            LOAD8(v_in, kb + d, vj[2 * d], vj[2 * d + 1]);
         }
         [[unroll]] for (int t = 0; t < G; t++) {
             vec4 sa = vec4(0.0), pa = vec4(0.0);
@@ -128,10 +125,10 @@ void main() {
     [[unroll]] for (int c = 0; c < KPL; c++) {
         jj[c] = j0 + c * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
         item[c] = (b * ap.Tk + min(jj[c], ap.Tk - 1u)) * ap.Hkv + kvh;
-        hi[c] = ap.has_mask == 2u ? spans[b * ap.Tk + min(jj[c], ap.Tk - 1u)].y : ap.Tq;   // queries < hi see j
+        hi[c] = ap.has_mask == 2u ? SPANS(b * ap.Tk + min(jj[c], ap.Tk - 1u)).y : ap.Tq;   // queries < hi see j
         [[unroll]] for (int d = 0; d < D8; d++) {
-            unpack8(k_in[item[c] * D8 + d], k[c][2 * d], k[c][2 * d + 1]);
-            unpack8(v_in[item[c] * D8 + d], v[c][2 * d], v[c][2 * d + 1]);
+            LOAD8(k_in, item[c] * D8 + d, k[c][2 * d], k[c][2 * d + 1]);
+            LOAD8(v_in, item[c] * D8 + d, v[c][2 * d], v[c][2 * d + 1]);
         }
         [[unroll]] for (int d = 0; d < D4; d++) {
             k[c][d] *= ap.scale;
@@ -143,19 +140,19 @@ void main() {
     const uint off = ap.Tk - ap.Tq;
     const uint first = ap.causal != 0u ? (j0 > off ? j0 - off : 0u) : 0u;
     // the row end of the workgroup's last key (a uniform address; ends never decrease along T)
-    const uint stop = ap.has_mask == 2u ? spans[b * ap.Tk + min(j0 + gl_WorkGroupSize.x * KPL, ap.Tk) - 1u].y : ap.Tq;
+    const uint stop = ap.has_mask == 2u ? SPANS(b * ap.Tk + min(j0 + gl_WorkGroupSize.x * KPL, ap.Tk) - 1u).y : ap.Tq;
     for (uint t = 0u; t < uint(G); t++) {
         const uint h = kvh * uint(G) + t;
         for (uint i = first; i < stop; i++) {
             const uint qi = (b * ap.Tq + i) * ap.Hq + h;
             vec4 qv[D4], gv[D4];
             [[unroll]] for (int d = 0; d < D8; d++) {
-                unpack8(q8[qi * D8 + d], qv[2 * d], qv[2 * d + 1]);
-                unpack8(g8[qi * D8 + d], gv[2 * d], gv[2 * d + 1]);
+                LOAD8(q_in, qi * D8 + d, qv[2 * d], qv[2 * d + 1]);
+                LOAD8(g_in, qi * D8 + d, gv[2 * d], gv[2 * d + 1]);
             }
-            const vec2 st = stats[qi];
+            const vec2 st = STATS(qi);
             [[unroll]] for (int c = 0; c < KPL; c++) {
-                const float add = ap.has_mask == 1u ? mask[(b * ap.Tq + i) * ap.Tk + min(jj[c], ap.Tk - 1u)] : 0.0;
+                const float add = ap.has_mask == 1u ? MASK((b * ap.Tq + i) * ap.Tk + min(jj[c], ap.Tk - 1u)) : 0.0;
                 const bool seen = (ap.causal == 0u || jj[c] <= i + off) && i < hi[c] && add != NEG_INF;
                 vec4 sa = vec4(0.0), pa = vec4(0.0);
                 [[unroll]] for (int d = 0; d < D4; d++) {
