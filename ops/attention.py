@@ -69,7 +69,9 @@ def _kernel(dev, source, name, defines, n_buffers, dims, mask_binding, stats_bin
     load (the CPU-driver kernel family, operands within maxTexelBufferElements:
     kernels/attention_io.glsl), else as storage buffers."""
     B, Tq, Tk, Hq, Hkv, D = dims
-    if default_variant(dev) == "lvp" and texel_fits(dev, B * Tq * Hq * D, B * Tq * max(Tk, 2)):
+    # floats of q, dO, O (and the stats); of k, v; of the mask (the spans are fewer)
+    sizes = (B * Tq * Hq * D, B * Tk * Hkv * D, B * Tq * max(Tk, 2))
+    if default_variant(dev) == "lvp" and texel_fits(dev, *sizes):
         texels = {b: "rgba32f" for b in range(1, n_buffers) if b not in (mask_binding,
                                                                           stats_binding)}
         texels[mask_binding] = "r32ui"
