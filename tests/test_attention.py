@@ -190,16 +190,18 @@ def test_packed_rows_by_span_match_float64_and_finite_differences(dev, rng, load
         assert (grads[i] * d).sum() == pytest.approx(fd, rel=1e-4)
 
 
-@pytest.mark.parametrize("profile", ["minimal", "mobile-mali"])
-def test_devices_without_int64_train_through_the_fused_kernels(tmp_path, rng, profile):
+@pytest.mark.parametrize("profile,T,texel", [("minimal", 256, True), ("minimal", 1100, False),
+                                             ("mobile-mali", 256, False)])
+def test_devices_without_int64_train_through_the_fused_kernels(tmp_path, rng, profile, T, texel):
     """Without shaderInt64 (the minimal and Mali-like profiles: a device is opened once per process, so
     in a child) the fused kernels load 8 floats as two vec4 (NO_INT64): the fused path is still taken
     (no T x T buffer), the kernels built are the NO_INT64 ones, and the forward and gradients match
-    the float64 reference."""
+    the float64 reference. The minimal profile's 65,536 texels hold T = 256's operands (texel loads)
+    but not T = 1100's q (storage loads); the Mali-like GPU profile always loads from storage."""
     import os
     import subprocess
     import sys
-    B, T, Hq, Hkv, D = 1, 256, 4, 2, 16
+    B, Hq, Hkv, D = 1, 4, 2, 16
     x = [f32(rng, B, T, h, D) for h in (Hq, Hkv, Hkv)]
     up = f32(rng, B, T, Hq, D)
     np.savez(tmp_path / "in.npz", q=x[0], k=x[1], v=x[2], up=up)
@@ -218,13 +220,16 @@ out = step(a["up"])
 big = max(b.nbytes for b in step.program(a["up"]).buffers())
 built = [key for key in default_device().kernels if isinstance(key, tuple) and key[0] == "variant"]
 no64 = any("attention" in key[1] and ("NO_INT64", 1) in key[3] for key in built)
-np.savez({str(tmp_path / "out.npz")!r}, o=out[0], dq=out[1], dk=out[2], dv=out[3], big=big, no64=no64)
+names = {{key[2] for key in built if "attention" in key[1]}}
+np.savez({str(tmp_path / "out.npz")!r}, o=out[0], dq=out[1], dk=out[2], dv=out[3], big=big, no64=no64,
+         texel=[n.endswith("_t") for n in sorted(names)])
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "VKDSL_PROFILE": profile})
     assert p.returncode == 0, p.stderr
     got = np.load(tmp_path / "out.npz")
     assert bool(got["no64"]) and int(got["big"]) < T * T * 4
+    assert len(got["texel"]) == 4 and all(got["texel"] == texel), got["texel"]
     assert nmse(got["o"], reference(*x)) < 1e-10
     for name, want in zip(("dq", "dk", "dv"), reference_grads(*x, up)):
         assert nmse(got[name], want) < 1e-10, name
