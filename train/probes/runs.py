@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 
 from ..config import DATA
+from ..data import IGNORE
 from ..evidence import mean_loss, wilson
 from ..stages import dpo_stage
 from .base import Expectation, ProbeError, Result, probe
@@ -94,7 +95,7 @@ def prompt_mask(ctx) -> Result:
                       steps=ctx.params["steps"])
         need_labels(r, "prompt-mask")
         prev, f = r, r.final
-        sup = sum(sum(1 for t in x.labels if t != -100) for x in r.train)
+        sup = sum(sum(1 for t in x.labels if t != IGNORE) for x in r.train)
         rows.append({"loss on": "response only" if arm == "completion" else "every token",
                      "supervised tokens": sup, "held-out loss": f.heldout_loss,
                      "held-out accuracy, Wilson 95%": _ci(f),
