@@ -16,8 +16,7 @@ from vkdsl import Tensor
 from vkdsl.autograd import grad
 from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.custom import CustomOp, custom
-from vkdsl.handwritten import build_kernel, default_variant, has_int64
-from vkdsl.matmul import texel_fits
+from vkdsl.handwritten import build_kernel, has_int64, texel_reads
 from vkdsl.tensor import ShapeError
 
 from .nn import causal_mask, softmax
@@ -71,7 +70,7 @@ def _kernel(dev, source, name, defines, n_buffers, dims, mask_binding, stats_bin
     B, Tq, Tk, Hq, Hkv, D = dims
     # floats of q, dO, O (and the stats); of k, v; of the mask (the spans are fewer)
     sizes = (B * Tq * Hq * D, B * Tk * Hkv * D, B * Tq * max(Tk, 2))
-    if default_variant(dev) == "lvp" and texel_fits(dev, *sizes):
+    if texel_reads(dev, *sizes):
         texels = {b: "rgba32f" for b in range(1, n_buffers) if b not in (mask_binding,
                                                                           stats_binding)}
         texels[mask_binding] = "r32ui"

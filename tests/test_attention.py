@@ -58,7 +58,7 @@ def loads(request, dev, monkeypatch):
     """The kernels read their operands as texel buffers (lavapipe's choice) or as storage buffers (GPUs'
     choice, and a CPU driver's where an operand is beyond maxTexelBufferElements): both run here."""
     if request.param == "storage":
-        monkeypatch.setattr(A, "texel_fits", lambda *a: False)
+        monkeypatch.setattr(A, "texel_reads", lambda *a: False)
     elif dev.info.kind != "cpu" or not dev.limits.max_texel_elements:
         pytest.skip("texel loads are a CPU-driver choice")
     return request.param

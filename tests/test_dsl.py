@@ -55,6 +55,79 @@ def test_vector_elementwise_kernels(rng):
     assert not render.vector_elementwise((n * 2.0).contiguous())
 
 
+def _cpu_form_cases(rng):
+    """(lazy result, float64 reference, exact?) covering every read form of a generated kernel."""
+    a, row, col = (rng.standard_normal(s).astype(np.float32) for s in [(8, 256), (256,), (8, 1)])
+    sq = rng.standard_normal((16, 16)).astype(np.float32)
+    ids = rng.integers(-300, 300, (8, 256)).astype(np.int32)
+    odd = rng.integers(-300, 300, (5, 7)).astype(np.int32)
+    x = rng.standard_normal((96, 300)).astype(np.float32)
+    x[3, 299], x[4, 0], x[5] = np.nan, np.nan, -np.inf
+    A, I, X = T(a), T(ids), T(x)
+    a64, x64 = a.astype(np.float64), x.astype(np.float64)
+    return [
+        # vec4 reads (a, row, ids as ivec4), a scalar read (col)
+        ((A * T(row) + T(col)) * (I < 10), (a64 * row + col) * (ids < 10), False),
+        (T(sq) + T(sq).permute(1, 0), sq.astype(np.float64) + sq.T, False),  # read both ways
+        (T(odd) < 4, (odd < 4).astype(np.float64), True),                    # int32 scalar reads
+        (I.permute(1, 0).contiguous(), ids.T, True),                         # ... into int32
+        (X.sum(-1), x64.sum(-1), False), (X.max(-1), x.max(-1), True),      # a tree per output
+        (X[:5].sum(-1), x64[:5].sum(-1), False),                             # too few: workgroups
+        (X[:, :50].sum(-1), x64[:, :50].sum(-1), False),                     # short rows: a loop
+        (T(np.ascontiguousarray(x.T)).sum(0), x64.sum(1), False),           # a strided tree
+        (((A - 1.0) * A).mean(-1), ((a64 - 1.0) * a64).mean(-1), False),     # fused prologue
+    ]
+
+
+@pytest.mark.parametrize("texel_limit,serial", [(1 << 27, True), (1 << 27, False), (0, True),
+                                                (1024, True)])
+def test_cpu_driver_forms_give_the_storage_kernels_bits(rng, monkeypatch, texel_limit, serial):
+    """The CPU-driver forms of the generated kernels (render_step: inputs read as texel buffers,
+    r32 for scalar reads and rgba32 for vec4 reads, an input read both ways or beyond the limit
+    kept a storage buffer; a reduction's workgroup tree run inside one invocation per output) give
+    the bits of the storage, shared-memory forms, and both match float64 numpy (NaN and -inf rows
+    included)."""
+    from vkdsl import realize, render
+    seen = []
+
+    def run(limit, ser):
+        def rendered(dev, step):
+            seen.append(render.render_step(step, texel_limit=limit, serial=ser))
+            return seen[-1]
+        monkeypatch.setattr(realize, "_rendered", rendered)
+        return [t.numpy() for t, _, _ in _cpu_form_cases(np.random.default_rng(5))]
+    base = run(0, False)
+    seen.clear()
+    got = run(texel_limit, serial)
+    for (_, ref, exact), b, g in zip(_cpu_form_cases(np.random.default_rng(5)), base, got):
+        assert np.array_equal(b.view(np.uint32), g.view(np.uint32))
+        if exact:
+            np.testing.assert_array_equal(g, ref)
+        else:
+            assert nmse(g, ref) < 1e-12
+    forms = {f for r in seen for _, f in r.texels}
+    big = texel_limit > 2048
+    assert forms == ({"r32f", "rgba32f", "r32ui"} | ({"rgba32ui"} if big else set())
+                     if texel_limit else set())
+    # a, row, col, ids; beyond the limit a and ids stay storage buffers in the same kernel
+    first = next(r for r in seen if r.name == "elementwise_8x256")
+    assert len(first.texels) == (4 if big else 2 if texel_limit else 0)
+    trees = [r for r in seen if r.name.startswith("reduce") and "part[" in r.source]
+    assert sum("barrier" not in r.source for r in trees) == (3 if serial else 0)
+
+
+def test_generated_kernels_read_texels_on_cpu_drivers(rng):
+    """The device's own choice (handwritten.texel_limit) reaches the pipelines: on the CPU-driver
+    family a generated kernel binds its inputs as texel buffers, elsewhere as storage buffers."""
+    from vkdsl.handwritten import texel_limit
+    from vkdsl.runtime import default_device
+    dev = default_device()
+    a = rng.standard_normal((3, 388)).astype(np.float32)
+    np.testing.assert_array_equal((T(a) * T(a)).numpy(), a * a)
+    k = [k for k in dev.kernels.values() if getattr(k, "name", "") == "elementwise_3x388"]
+    assert k and all(bool(x.texels) == (texel_limit(dev) > 0) for x in k)
+
+
 @pytest.mark.parametrize("sa,sb", [((7,), (7,)), ((33, 1023), (1023,)), ((33, 1), (33, 1023)),
                                    ((), (3,)), ((3, 1, 7), (1, 33, 7))])
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "maximum"])

@@ -25,6 +25,20 @@ def default_variant(dev) -> str:
     return dev.info.variant or ("lvp" if dev.info.kind == "cpu" else "gpu")
 
 
+def texel_limit(dev) -> int:
+    """Elements an operand may hold and still be read as a uniform texel buffer by the CPU-driver
+    kernel family (generated kernels, fused attention): on lavapipe a texel fetch is a vector
+    gather where a storage load whose address differs between lanes is a loop over the lanes.
+    0 on GPUs, GPU profiles, and devices without the texel formats (runtime.memory)."""
+    cpu = default_variant(dev) == "lvp" and dev.info.kind == "cpu"
+    return dev.limits.max_texel_elements if cpu else 0
+
+
+def texel_reads(dev, *elements: int) -> bool:
+    """Whether operands of these many elements are read as texel buffers (texel_limit)."""
+    return 0 < max(elements) <= texel_limit(dev)
+
+
 def has_int64(dev) -> bool:
     """shaderInt64, needed by 8-wide loads (enabled at device creation when present)."""
     return dev.limits.int64

@@ -14,7 +14,7 @@ import numpy as np
 from . import render
 from .compiler import compile_glsl, prefetch
 from .graph import NP_DTYPE, reshape_base
-from .handwritten import default_variant, fold_grid
+from .handwritten import default_variant, fold_grid, texel_limit
 from .matmul import plan_matmul, record_matmul
 from .runtime import Buffer, Part, Recording, default_device, get_kernel
 from .schedule import plan
@@ -116,15 +116,17 @@ def _rendered(dev, step):
                          f"them float32")
     # subgroup reductions on GPUs only: on lavapipe they measured slower than the shared-memory
     # tree (SFT step 4 x 64 on SmolLM2: 10.3-12.4 s vs 9.3-9.9 s)
-    return render.render_step(step, subgroups=dev.limits.subgroup_arithmetic
-                              and default_variant(dev) == "gpu")
+    lvp = default_variant(dev) == "lvp"
+    return render.render_step(step, subgroups=dev.limits.subgroup_arithmetic and not lvp,
+                              texel_limit=texel_limit(dev), serial=lvp)
 
 
 def generated_kernel(dev, step, r=None):
     """(pipeline, workgroups) of a generated step (r: its rendering, when done already): the
     renderer says the geometry."""
     r = r or _rendered(dev, step)
-    k = get_kernel(dev, r.name, compile_glsl(r.name, r.source), 1 + len(step.inputs), 0, r.local)
+    k = get_kernel(dev, r.name, compile_glsl(r.name, r.source), 1 + len(step.inputs), 0, r.local,
+                   r.texels)
     return k, fold_grid(dev, r.n_groups)
 
 

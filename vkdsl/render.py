@@ -19,10 +19,14 @@ VEC_TYPE = {"float32": "vec4", "int32": "ivec4", "float16": "f16vec4"}
 # a value read from a buffer of this dtype, as the fp32 every expression computes in
 WIDEN = {"float32": "{0}", "int32": "float({0})", "float16": "float({0})"}
 # fp32 -> fp16, round to nearest even, in core GLSL (no fp16 arithmetic needed)
-TO_HALF = "unpackHalf2x16(packHalf2x16(vec2({0}, 0.0))).x"
+TO_HALF = "vk_half({0})"
 # GLSL's tanh overflows to NaN for |x| > ~44 on some drivers; max must propagate NaN like numpy.
+# Overflow spelled out: llvmpipe's vectorized packHalf2x16 saturates at 65504 where IEEE rounds
+# |x| >= 65520 to infinity (its per-lane path, taken behind storage loads, does not).
 PRELUDE = ("float vk_tanh(float x) { float e = exp(-2.0 * abs(x)); "
            "return sign(x) * (1.0 - e) / (1.0 + e); }\n"
+           "float vk_half(float x) { return abs(x) >= 65520.0 ? x * (1.0/0.0) : "
+           "unpackHalf2x16(packHalf2x16(vec2(x, 0.0))).x; }\n"
            "float vk_max(float a, float b) { "
            "return (isnan(a) || isnan(b)) ? a + b : max(a, b); }\n")
 REDUCE = {"sum": ("0.0", "{acc} + {x}"), "max": ("-1.0/0.0", "vk_max({acc}, {x})")}
@@ -39,8 +43,11 @@ def _strides(shape):
 class Emitter:
     """Writes the statements for one fused expression; shared subexpressions become temporaries."""
 
-    def __init__(self, leaf_index, direct=None):
+    def __init__(self, leaf_index, direct=None, texel=()):
         self.leaf_index = leaf_index     # id(tensor) -> binding number, for materialized inputs
+        # bindings that may be read as texel buffers: read through LD{k}(index) / LV{k}(index),
+        # macros that _declare defines once it knows how each was read (scalar_reads, used_direct)
+        self.texel, self.scalar_reads = set(texel), set()
         self.lines, self.memo, self.n = [], {}, 0
         # vector elementwise kernels: leaves shaped like the output's trailing axes (the output
         # itself or a broadcast row such as a norm weight), read at the output's index: from a vec4
@@ -79,7 +86,10 @@ class Emitter:
         if id(t) in self.leaf_index:
             off = (" + ".join(f"{i} * {s}u" for i, s in zip(idx, _strides(t.shape)) if s
                               and i != "0u") or "0u")
-            return self.tmp(WIDEN[t.dtype].format(f"b{self.leaf_index[id(t)]}[{off}]"))
+            k = self.leaf_index[id(t)]
+            self.scalar_reads.add(k)
+            load = f"LD{k}({off})" if k in self.texel else f"b{k}[{off}]"
+            return self.tmp(WIDEN[t.dtype].format(load))
         op = t.op
         if op == "iota":
             return f"float({idx[0]})"
@@ -130,8 +140,34 @@ def reshape_index(idx, new, old):
     return [f"(({flat}) / {st}u % {s}u)" if s != 1 else "0u" for s, st in zip(old, _strides(old))]
 
 
-def _header(bindings):
-    """bindings: [(glsl type, name, writeonly?)]."""
+# texel format -> (GLSL sampler type, the read LD{k}(i) or LV{k}(i) stands for)
+TEXEL_READ = {"r32f": ("samplerBuffer", "texelFetch(tx{k}, int(i)).x"),
+              "r32ui": ("usamplerBuffer", "int(texelFetch(tx{k}, int(i)).x)"),
+              "rgba32f": ("samplerBuffer", "texelFetch(tx{k}, int(i))"),
+              "rgba32ui": ("usamplerBuffer", "ivec4(texelFetch(tx{k}, int(i)))")}
+
+
+def _texel_forms(em, leaves) -> tuple[dict, str]:
+    """(binding -> texel format, macro definitions) for the texel-eligible leaves: one read only as
+    scalars is an r32 view, only as vec4s an rgba32 view; one read both ways stays a storage buffer
+    (a binding has one view), its macros the storage reads."""
+    forms, macros = {}, []
+    for k in sorted(em.texel):
+        scalar, vector = k in em.scalar_reads, k in em.used_direct
+        if scalar == vector:
+            macros += [f"#define LD{k}(i) b{k}[i]", f"#define LV{k}(i) b{k}v[i]"]
+            continue
+        forms[k] = ("r32" if scalar else "rgba32") + ("f" if leaves[k - 1].dtype == "float32"
+                                                      else "ui")
+        macros.append(f"#define {'LD' if scalar else 'LV'}{k}(i) "
+                      + TEXEL_READ[forms[k]][1].format(k=k))
+    return forms, "".join(m + "\n" for m in macros)
+
+
+def _header(bindings, texels=None, macros=""):
+    """bindings: [(glsl type, writeonly?)] by binding; texels: binding -> format of those read as
+    uniform texel buffers (tx{k}) instead; macros: their reads (_texel_forms)."""
+    texels = texels or {}
     out = ["#version 450",
            "layout(local_size_x_id = 0, local_size_y_id = 1, local_size_z_id = 2) in;"]
     if any(ty == "float16_t" for ty, _ in bindings):
@@ -139,9 +175,10 @@ def _header(bindings):
         # arithmetic)
         out.insert(1, "#extension GL_EXT_shader_16bit_storage : require")
     for i, (ty, wo) in enumerate(bindings):
-        out.append(f"layout(std430, binding = {i}) {'writeonly ' if wo else 'readonly '}buffer "
-                   f"B{i} {{ {ty} b{i}[]; }};")
-    return "\n".join(out) + "\n" + PRELUDE
+        out.append(f"layout(binding = {i}) uniform {TEXEL_READ[texels[i]][0]} tx{i};" if i in texels
+                   else f"layout(std430, binding = {i}) {'writeonly ' if wo else 'readonly '}"
+                        f"buffer B{i} {{ {ty} b{i}[]; }};")
+    return "\n".join(out) + "\n" + macros + PRELUDE
 
 
 def _unflatten(var, shape):
@@ -153,14 +190,20 @@ GID = "gl_GlobalInvocationID.x + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * 
 
 LOCAL = 64                 # invocations per workgroup of an elementwise or per-output kernel
 REDUCE_GROUP = 64          # workgroup of a reduction that gives each output a workgroup
+SERIAL_OUTPUTS = 64        # outputs a serial (per-invocation) tree needs to fill a workgroup
+# llvmpipe ends an invocation after 65,535 loop iterations in all, every loop counted together
+# (gallivm's loop limiter): a serial tree's R iterations must stay well inside that
+SERIAL_MAX_R = 32768
 
 
 class Rendered(NamedTuple):
-    """A generated kernel: GLSL source and its geometry (workgroup size, 1-d workgroup count)."""
+    """A generated kernel: GLSL source, its geometry (workgroup size, 1-d workgroup count) and the
+    bindings it reads as uniform texel buffers ((binding, format), ...)."""
     name: str
     source: str
     local: tuple
     n_groups: int
+    texels: tuple = ()
 
 
 def kernel_name(step) -> str:
@@ -168,49 +211,62 @@ def kernel_name(step) -> str:
     return f"{step.kind}_{'x'.join(map(str, step.node.shape)) or 'scalar'}"
 
 
-def render_step(step, subgroups: bool = False) -> Rendered:
+def render_step(step, subgroups: bool = False, texel_limit: int = 0,
+                serial: bool = False) -> Rendered:
     """The kernel of one scheduled step (elementwise, reduce or gather): out is binding 0,
     step.inputs follow in order. subgroups: the device has subgroup arithmetic (a reduction with
-    a workgroup per output then combines within subgroups first)."""
+    a workgroup per output then combines within subgroups first). texel_limit > 0: float32 and
+    int32 inputs of at most that many elements are read as uniform texel buffers
+    (handwritten.texel_limit). serial: a reduction with a workgroup per output runs the same
+    tree inside one invocation per output where there are outputs enough to fill the lanes (CPU
+    drivers: a barrier costs more there than the whole sum)."""
     t = step.node
     name = kernel_name(step)
     n = math.prod(t.shape)
+    texel = [i + 1 for i, l in enumerate(step.inputs) if l.dtype in ("float32", "int32")
+             and 0 < math.prod(l.shape) <= texel_limit]
     if step.kind == "reduce":
-        group = REDUCE_GROUP if t.src[0].shape[t.arg[1]] >= 128 else 1
-        src = reduction(t, step.inputs, group, subgroups)
-        return Rendered(name, src, (group, 1, 1), n) if group > 1 else \
-            Rendered(name, src, (LOCAL, 1, 1), -(-n // LOCAL))
+        R = t.src[0].shape[t.arg[1]]
+        group = REDUCE_GROUP if R >= 128 else 1
+        tree = serial and group > 1 and n >= SERIAL_OUTPUTS and R <= SERIAL_MAX_R
+        src, forms = reduction(t, step.inputs, group, subgroups, texel, tree)
+        local, groups = ((group, 1, 1), n) if group > 1 and not tree else \
+            ((LOCAL, 1, 1), -(-n // LOCAL))
+        return Rendered(name, src, local, groups, tuple(sorted(forms.items())))
     if step.kind == "gather":
         table, idx = t.src
         return Rendered(name, gather(table.shape, math.prod(idx.shape), *(t.arg or ())),
                         (LOCAL, 1, 1), -(-n // LOCAL))
     per = VEC_EW if vector_elementwise(t) else 1
-    return Rendered(name, elementwise(t, step.inputs), (LOCAL, 1, 1), -(-n // (LOCAL * per)))
+    src, forms = elementwise(t, step.inputs, texel)
+    return Rendered(name, src, (LOCAL, 1, 1), -(-n // (LOCAL * per)), tuple(sorted(forms.items())))
 
 
-def elementwise(node, leaves) -> str:
+def elementwise(node, leaves, texel=()) -> tuple[str, dict]:
     """out[i] = expr(node) for every element; leaves are bound at 1.. in order. When the last axis
     is a multiple of VEC_EW, each invocation computes VEC_EW consecutive elements and every leaf
     read at exactly the output's index (same shape, no view between) is one vec4 load: on CPU
     drivers each load whose address differs between lanes is a loop over the lanes, so 4 floats per
-    load instead of 1 is most of an elementwise kernel's time."""
+    load instead of 1 is most of an elementwise kernel's time. texel: bindings that may be read as
+    texel buffers (render_step). Returns (source, binding -> texel format)."""
     n = math.prod(node.shape)
     if not vector_elementwise(node):
-        em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)})
+        em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)}, texel=texel)
         idx = [f"i{d}" for d in range(len(node.shape))]
         v = em.emit(node, idx)
         decl = "".join(f"  uint {name} = {expr};\n"
                        for name, expr in zip(idx, _unflatten("gid", node.shape)))
         body = "\n".join(em.lines)
         store = {"int32": "int({0})", "float16": "float16_t({0})"}.get(node.dtype, "{0}").format(v)
+        forms, macros = _texel_forms(em, leaves)
         return (_header([(GLSL_TYPE[node.dtype], True)]
-                        + [(GLSL_TYPE[l.dtype], False) for l in leaves]) +
+                        + [(GLSL_TYPE[l.dtype], False) for l in leaves], forms, macros) +
                 f"void main() {{\n  uint gid = {GID};\n  if (gid >= {n}u) return;\n{decl}{body}\n  "
-                f"b0[gid] = {store};\n}}\n")
+                f"b0[gid] = {store};\n}}\n"), forms
     nd = len(node.shape)
     direct = {id(l): i + 1 for i, l in enumerate(leaves) if 0 < l.ndim <= nd
               and l.shape == node.shape[nd - l.ndim:]}
-    em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)}, direct)
+    em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)}, direct, texel)
     lines, vals = [], []
     for e in range(VEC_EW):
         idx = [f"i{d}_{e}" for d in range(len(node.shape))]
@@ -227,20 +283,22 @@ def elementwise(node, leaves) -> str:
     def vec_load(k):
         t = leaves[k - 1]
         ty, src = ("vec4", f"vec4(b{k}v[({first(k)}])") if t.dtype == "float16" else \
-            (VEC_TYPE[t.dtype], f"b{k}v[({first(k)}]")
+            (VEC_TYPE[t.dtype], f"LV{k}(({first(k)})" if k in em.texel else f"b{k}v[({first(k)}]")
         return f"  {ty} v{k} = {src};"
     loads = [vec_load(k) for k in sorted(em.used_direct)]
+    forms, macros = _texel_forms(em, leaves)
     vec = VEC_TYPE[node.dtype]
     store = (f"{vec}(vec4({', '.join(vals)}))" if node.dtype == "float16"
              else f"{vec}({', '.join(vals)})")
     aliases = "".join(f"layout(std430, binding = {k}) {'writeonly' if k == 0 else 'readonly'} "
                       f"buffer B{k}v {{ {VEC_TYPE[(node if k == 0 else leaves[k - 1]).dtype]} "
-                      f"b{k}v[]; }};\n" for k in [0] + sorted(em.used_direct))
-    return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves])
+                      f"b{k}v[]; }};\n" for k in [0] + sorted(em.used_direct) if k not in forms)
+    return (_header([(GLSL_TYPE[node.dtype], True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves],
+                    forms, macros)
             + aliases +
             f"void main() {{\n  uint g = {GID};\n  if (g >= {n // VEC_EW}u) return;\n"
             + "\n".join(lines) + "\n" +
-            "\n".join(loads) + "\n" + "\n".join(em.lines) + f"\n  b0v[g] = {store};\n}}\n")
+            "\n".join(loads) + "\n" + "\n".join(em.lines) + f"\n  b0v[g] = {store};\n}}\n"), forms
 
 
 VEC_EW = 4
@@ -254,15 +312,19 @@ def vector_elementwise(node) -> bool:
 SUBGROUP_OP = {"sum": "subgroupAdd", "max": "subgroupMax"}
 
 
-def reduction(node, leaves, group: int, subgroups: bool = False) -> str:
+def reduction(node, leaves, group: int, subgroups: bool = False, texel=(),
+              tree: bool = False) -> tuple[str, dict]:
     """Reduce node.src[0] (a fused expression) along one axis. group == 1: one invocation per
     output; group > 1: one workgroup per output, strided loop, then a shared-memory tree -- or,
     with subgroup arithmetic, each subgroup's own combine, one barrier, and lane 0 combining the
-    subgroups' partials (written for any subgroup size: no lane count is assumed)."""
+    subgroups' partials (written for any subgroup size: no lane count is assumed) -- or, with
+    tree, one invocation per output keeping the workgroup's `group` partials in an array: the
+    same additions in the same order as the shared-memory tree, so the same bits. texel: bindings
+    that may be read as texel buffers. Returns (source, binding -> texel format)."""
     kind, axis = node.arg
     src = node.src[0]
     init, comb = REDUCE[kind]
-    em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)})
+    em = Emitter({id(l): i + 1 for i, l in enumerate(leaves)}, texel=texel)
     n_out, R = math.prod(node.shape), src.shape[axis]
     idx = [f"i{d}" for d in range(len(node.shape))]
     decl = "".join(f"  uint {name} = {expr};\n"
@@ -270,11 +332,25 @@ def reduction(node, leaves, group: int, subgroups: bool = False) -> str:
     idx[axis] = "r"
     v = em.emit(src, idx)
     body = "\n".join("  " + l for l in em.lines)
-    head = _header([("float", True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves])
+    forms, macros = _texel_forms(em, leaves)
+    head = _header([("float", True)] + [(GLSL_TYPE[l.dtype], False) for l in leaves], forms, macros)
     if group == 1:
         return head + (f"void main() {{\n  uint o = {GID};\n  if (o >= {n_out}u) return;\n{decl}"
                        f"  float acc = {init};\n  for (uint r = 0u; r < {R}u; r++) {{\n{body}\n"
-                       f"    acc = {comb.format(acc='acc', x=v)};\n  }}\n  b0[o] = acc;\n}}\n")
+                       f"    acc = {comb.format(acc='acc', x=v)};\n  }}\n  b0[o] = acc;\n}}\n"
+                       ), forms
+    if tree:    # part[l] sums rows l, l + group, ... as lane l would, then the tree over part
+        body = "\n".join("    " + l for l in em.lines)
+        return head + (
+            f"void main() {{\n  uint o = {GID};\n  if (o >= {n_out}u) return;\n{decl}"
+            f"  float part[{group}];\n  for (uint l = 0u; l < {group}u; l++) part[l] = {init};\n"
+            f"  for (uint r0 = 0u; r0 < {R}u; r0 += {group}u) {{\n"
+            f"    for (uint l = 0u; l < {group}u && r0 + l < {R}u; l++) {{\n"
+            f"      uint r = r0 + l;\n{body}\n"
+            f"      part[l] = {comb.format(acc='part[l]', x=v)};\n    }}\n  }}\n"
+            f"  for (uint s = {group // 2}u; s > 0u; s >>= 1)\n"
+            f"    for (uint l = 0u; l < s; l++) part[l] = "
+            f"{comb.format(acc='part[l]', x='part[l + s]')};\n  b0[o] = part[0];\n}}\n"), forms
     start = (f"shared float part[{group}];\n"
              f"void main() {{\n  uint o = gl_WorkGroupID.x + gl_WorkGroupID.y * "
              f"gl_NumWorkGroups.x;\n  uint lane = gl_LocalInvocationID.x;\n  bool live = o < "
@@ -294,12 +370,12 @@ def reduction(node, leaves, group: int, subgroups: bool = False) -> str:
                 + "  if (lane == 0u && live) {\n    float t = part[0];\n"
                 + f"    for (uint s = 1u; s < gl_NumSubgroups; s++) t = "
                   f"{comb.format(acc='t', x='part[s]')};\n"
-                + "    b0[o] = t;\n  }\n}\n")
+                + "    b0[o] = t;\n  }\n}\n"), forms
     return head + start + (f"  part[lane] = acc;\n  barrier();\n"
                    f"  for (uint s = {group // 2}u; s > 0u; s >>= 1) {{\n"
                    f"    if (lane < s) part[lane] = "
                    f"{comb.format(acc='part[lane]', x='part[lane + s]')};\n    barrier();\n  }}\n  "
-                   f"if (lane == 0u && live) b0[o] = part[0];\n}}\n")
+                   f"if (lane == 0u && live) b0[o] = part[0];\n}}\n"), forms
 
 
 def gather(table_shape, n_rows: int, base: int = 0, total: int | None = None) -> str:
