@@ -102,10 +102,12 @@ def _tuning(dev) -> tuple[str, str]:
     if not e:
         return "none", f"default tiles; `vkdsl tune --for \"COMMAND\"` measures a job's shapes here"
     moved = {k: v["tile"] for k, v in e.items() if tuple(v["tile"]) != tuning.DEFAULT_TILE}
+    local, shipped = tuning.local_entries(dev), tuning.shipped_entries(dev)
+    where = ", ".join(([f"{len(local)} measured here ({tuning.path(dev)})"] if local else [])
+                      + ([f"{len(shipped)} shipped for this driver build"] if shipped else []))
     return (f"{len(e)} shape classes, {len(moved)} off the default",
             "; ".join(f"{k} {t[0]}x{t[1]}" for k, t in sorted(moved.items())[:4])
-            + (" ..." if len(moved) > 4 else "")
-            + f" ({tuning.path(dev)})")
+            + (" ..." if len(moved) > 4 else "") + f" ({where})")
 
 
 def _verify_rows() -> list[tuple]:

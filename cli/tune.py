@@ -60,10 +60,12 @@ def tune(device, jobs, shapes, rounds, show):
     from vkdsl import tuning
     dev = open_device(device)
     if show:
-        e = tuning.entries(dev)
-        click.echo(f"{tuning.path(dev)}: {len(e)} shape classes")
-        for k, v in sorted(e.items()):
-            click.echo(f"  {k:40s} {v['tile'][0]}x{v['tile'][1]}  ms {v.get('ms', {})}")
+        for where, e in ((tuning.path(dev), tuning.local_entries(dev)),
+                         (tuning.shipped_path(dev), tuning.shipped_entries(dev))):
+            if e or where == tuning.path(dev):
+                click.echo(f"{where}: {len(e)} shape classes")
+            for k, v in sorted(e.items()):
+                click.echo(f"  {k:40s} {v['tile'][0]}x{v['tile'][1]}  ms {v.get('ms', {})}")
         return
     todo = [_shape(s) for s in shapes]
     if not todo and not jobs:

@@ -20,6 +20,7 @@ from vkdsl.runtime import Buffer, Recording, default_device
 def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("VKDSL_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("VKDSL_TUNING", raising=False)
+    monkeypatch.setattr(tuning, "SHIPPED", str(tmp_path / "shipped"))   # no shipped table either
     tuning.forget()
     yield tmp_path
     tuning.forget()
@@ -115,6 +116,29 @@ def test_tune_writes_what_the_planners_then_read(own_cache, monkeypatch):
     assert plan_matmul(dev, M=200, N=8, K=60, tb=True).name == "matmul_nt_lvp_t4s4"
     show = vkdsl(["tune", "--show"], VKDSL_CACHE_DIR=str(own_cache))
     assert key in show.stdout and "2 shape classes" in show.stdout
+
+
+def test_a_shipped_table_serves_its_driver_build_and_a_local_file_overrides_it(own_cache, monkeypatch):
+    dev = default_device()
+    a, b = tuning.shape_class("matmul", "nt", 64, 8, 64), tuning.shape_class("matmul", "nn", 64, 8, 64)
+    table = {"format": 1, "identity": tuning.identity(dev), "entries": {a: {"tile": [8, 8]}, b: {"tile": [8, 16]}}}
+    shipped = own_cache / "shipped" / tuning.path(dev).rsplit("/", 1)[-1]
+    shipped.parent.mkdir()
+    shipped.write_text(json.dumps({**table, "identity": {**table["identity"], "driver_info": "Mesa 0.1"}}))
+    tuning.forget()                                     # a table of another build: one line, defaults
+    assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4"
+    shipped.write_text(json.dumps(table))
+    tuning.forget()
+    assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4_8x8"
+    assert plan_matmul(dev, M=64, N=8, K=64).name == "matmul_nn_lvp_t4s4_8x16"
+    tuning.forget()
+    _plant(dev, {**table, "entries": {a: {"tile": [16, 16]}}})     # measured here: it wins its class
+    assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4_16x16"
+    assert plan_matmul(dev, M=64, N=8, K=64).name == "matmul_nn_lvp_t4s4_8x16"
+    tuning.save(dev, {})                                # the local file never takes in the shipped entries
+    assert json.loads(open(tuning.path(dev)).read())["entries"] == {a: {"tile": [16, 16]}}
+    monkeypatch.setenv("VKDSL_TUNING", "0")
+    assert plan_matmul(dev, M=64, N=8, K=64).name == "matmul_nn_lvp_t4s4"
 
 
 @pytest.mark.parametrize("arg", ["matmul:nt:8x8", "qmatmul:q4_1:tn:8x8x8", "conv:nt:8x8x8"])

@@ -46,7 +46,7 @@ class Emitter:
     def __init__(self, leaf_index, direct=None, texel=()):
         self.leaf_index = leaf_index     # id(tensor) -> binding number, for materialized inputs
         # bindings that may be read as texel buffers: read through LD{k}(index) / LV{k}(index),
-        # macros that _declare defines once it knows how each was read (scalar_reads, used_direct)
+        # macros _texel_forms defines once it knows how each was read (scalar_reads, used_direct)
         self.texel, self.scalar_reads = set(texel), set()
         self.lines, self.memo, self.n = [], {}, 0
         # vector elementwise kernels: leaves shaped like the output's trailing axes (the output

@@ -9,7 +9,12 @@ default (`vkdsl tune` checks each candidate against the default's output before 
 
 The file, <SPIR-V cache>/tuning/<driver>.json, names the device and driver it was measured on;
 one from another driver or version, or a damaged one, is said in one line and not used (and
-`vkdsl tune` measures afresh over it). `vkdsl tune` (ops/tune.py) writes it."""
+`vkdsl tune` measures afresh over it). `vkdsl tune` (ops/tune.py) writes it.
+
+The package ships tables measured on its reference machine (vkdsl/tuned/, the same file name:
+one per exact device and driver build, e.g. Debian 12's lavapipe); a device with no file of its
+own takes the shipped table of its build, if there is one, and a local file's entries override
+it class by class."""
 from __future__ import annotations
 
 import hashlib
@@ -25,6 +30,7 @@ DEFAULT_TILE = (LVP_TILE["TM"], LVP_TILE["TN"])
 # candidate tiles (rows, columns): columns a multiple of 4 (vec4 accumulators), at most 512
 # accumulators (larger spilled on lavapipe: 32x32 ran at ~25 GFLOP/s against ~43 for 16x32)
 TILES = ((16, 32), (8, 32), (32, 16), (16, 16), (8, 16), (4, 32), (16, 8), (8, 8), (32, 8), (4, 16))
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 _files: dict[str, dict] = {}             # path -> entries (read once per process)
 
 
@@ -65,9 +71,7 @@ def _check(data, dev) -> dict:
     return entries
 
 
-def entries(dev) -> dict:
-    """The tuned entries for this device ({} without a usable file: said once per process)."""
-    p = path(dev)
+def _read(p: str, dev) -> dict:
     if p not in _files:
         _files[p] = {}
         try:
@@ -79,6 +83,26 @@ def entries(dev) -> dict:
             print(f"vkdsl: ignoring the tuning file {p} ({str(e)[:160]}); defaults until "
                   f"`vkdsl tune` measures again", file=sys.stderr)
     return _files[p]
+
+
+def shipped_path(dev) -> str:
+    """Where the package's table for this device and driver build would be."""
+    return os.path.join(SHIPPED, os.path.basename(path(dev)))
+
+
+def local_entries(dev) -> dict:
+    """What `vkdsl tune` measured on this machine ({} without a usable file: said once)."""
+    return _read(path(dev), dev)
+
+
+def shipped_entries(dev) -> dict:
+    """The package's table for this exact device and driver build ({} where it ships none)."""
+    return _read(shipped_path(dev), dev)
+
+
+def entries(dev) -> dict:
+    """The tuned entries for this device: the shipped table, overridden by this machine's."""
+    return {**shipped_entries(dev), **local_entries(dev)}
 
 
 def tile(dev, op: str, form: str, M: int, N: int, K: int, fits=lambda t: True) -> tuple[int, int]:
@@ -109,7 +133,7 @@ def _record(where: str, *shape):
 def save(dev, new: dict) -> str:
     """Merge new entries {class: {"tile": [r, c], ...}} into this device's file -> its path."""
     p = path(dev)
-    merged = {**entries(dev), **new}
+    merged = {**local_entries(dev), **new}
     atomic_write(p, json.dumps({"format": FORMAT, "identity": identity(dev), "entries": merged},
                                indent=1, sort_keys=True).encode())
     _files[p] = merged
