@@ -1,6 +1,6 @@
 """Per-device tuning: the measured winner per (op, shape class), kept in one file per driver build
-and read by the planners. Without a file (or with VKDSL_TUNING=0) every planner keeps its default,
-deterministically.
+and read by the planners. Without a file or a shipped table (below), or with VKDSL_TUNING=0, every
+planner keeps its default, deterministically.
 
 What is tuned: the tile of the register-blocked CPU kernels (fp32 `matmul` and the packed-weight
 `qmatmul`): rows x columns of C per invocation. A tile changes which invocation computes which
