@@ -114,7 +114,8 @@ def tile(dev, op: str, form: str, M: int, N: int, K: int, fits=lambda t: True) -
         _record(record, op, form, M, N, K)
     if os.environ.get("VKDSL_TUNING") == "0":
         return DEFAULT_TILE
-    e = entries(dev).get(shape_class(op, form, M, N, K))
+    key = shape_class(op, form, M, N, K)       # looked up, not merged: planners ask per product
+    e = local_entries(dev).get(key) or shipped_entries(dev).get(key)
     return tuple(e["tile"]) if e and fits(tuple(e["tile"])) else DEFAULT_TILE
 
 
