@@ -1,6 +1,6 @@
 """vkdsl-train (and `vkdsl train`): LoRA SFT (+ target-masked KL to the base), then DPO, with
-preflight, evidence and gates. Every option is generated from train.config.TrainConfig and its
-HELP table, so the command line and the settings cannot drift apart.
+preflight, evidence and gates. Every option is generated from train.config.TrainConfig, where each
+setting is declared with its help line, so the command line and the settings cannot drift apart.
 
     vkdsl-train                       # the bundled default run on SmolLM2-135M-Instruct
     vkdsl-train --out runs/x --steps 20 --tmkl 0.05 --targets attn_q,attn_v,ffn_up

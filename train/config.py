@@ -1,4 +1,6 @@
-"""Every setting of a training run in one dataclass: TOML file, then CLI overrides.
+"""Every setting of a training run in one dataclass: TOML file, then CLI overrides. Each setting is
+declared once, with its help line (`vkdsl-train --help` is generated from it) and its simple rule
+(one of a few values, or a bound); validate() adds the rules that join settings.
 
 An unknown key or flag is an error (a typo must not silently train with a default)."""
 from __future__ import annotations
@@ -17,158 +19,199 @@ class ConfigError(ValueError):
     pass
 
 
+def setting(default, help: str, **rule):
+    """A field with its help line and rule: one_of=(...), at_least=, at_most=, above=."""
+    meta = {"help": help, **rule}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _broken_rule(name, v, rule) -> str | None:
+    """What a value breaks of its setting's rule, in words (None: it keeps it)."""
+    if "one_of" in rule and v not in rule["one_of"]:
+        *first, last = rule["one_of"]
+        return f"{name} {v!r}: expected {', '.join(first)} or {last}"
+    lo, hi, gt = rule.get("at_least"), rule.get("at_most"), rule.get("above")
+    if (lo is not None and v < lo) or (hi is not None and v > hi) or (gt is not None and v <= gt):
+        want = (f"in [{lo}, {hi}]" if hi is not None else f">= {lo}" if lo is not None
+                else f"> {gt}")
+        return f"{name} must be {want}"
+    return None
+
+
 @dataclass
 class TrainConfig:
     # model and data
-    model: str = ""                     # "" = the default SmolLM2 GGUF
-    quant: str = "keep"                 # the frozen base on the device: keep, none, int4, nf4
-    # matmuls: fp32, or fp16 inputs with fp32 sums (vkdsl.precision)
-    precision: str = "fp32"
-    train_file: str = str(DATA / "routing_train.jsonl")
-    heldout_file: str = str(DATA / "routing_heldout.jsonl")
-    preservation_file: str = str(DATA / "preservation.jsonl")
-    labels: list = field(default_factory=lambda: ["payment", "account", "tech", "product"])
-    label_eval: bool = True             # held-out rows scored as label decisions (gates)
-    chat_template: bool = True          # wrap prompt/completion as user/assistant turns
-    max_len: int = 96
-    truncation_side: str = "left"       # left: drop the prompt's start; right: the completion's end
-    bucket: int = 16                    # pad lengths to multiples: few compiled programs
-    pack: bool = True                   # short rows share a sequence (train.packing)
-    window: int = 0                     # >0: rows packed first-fit into windows of this many tokens
-    loss_on: str = "completion"         # completion (prompt masked) or all (negative control)
-    rehearsal_file: str = ""            # general text mixed into SFT (its own loss term)
-    rehearsal_weight: float = 0.0       # w: objective = task mean + w * general-text mean
-    rehearsal_batch: int = 4            # general-text passages per step
-    # adapter
-    # the top third of SmolLM2's 30 layers, every projection but k: layers below the first adapter
-    # run once per row (prefix cache), so a step costs a third of the model (BENCHMARKS.md)
-    targets: list = field(default_factory=lambda: ["attn_q", "attn_v", "attn_output", "ffn_gate",
-                                                   "ffn_up", "ffn_down"])
-    layers: str = "last:10"             # "" = all; "0-3,7"; "last:N" = the top N
-    rank: int = 8
-    alpha: float = 16.0
-    rslora: bool = False
+    model: str = setting("", "GGUF file or Hugging Face folder ('' = the installed "
+        "SmolLM2-135M-Instruct)")
+    quant: str = setting("keep", "how the frozen base is stored on the device: keep (the file's "
+        "own blocks, e.g. Q4_1), none (fp32), int4 or nf4 (packed on load, group 64)",
+        one_of=("keep", "none", "int4", "nf4"))
+    precision: str = setting("fp32", "fp32 matmuls, or fp16: every matmul (adapters, fp32 and "
+        "quantized bases) takes fp16 inputs with fp32 sums, on cooperative matrices where the "
+        "device has them (vkdsl doctor says which)", one_of=("fp32", "fp16"))
+    train_file: str = setting(str(DATA / "routing_train.jsonl"), "SFT rows, JSONL: "
+        "prompt/completion (optionally system) or messages")
+    heldout_file: str = setting(str(DATA / "routing_heldout.jsonl"), "held-out rows (same format) "
+        "for accuracy and loss evidence")
+    preservation_file: str = setting(str(DATA / "preservation.jsonl"), "JSONL rows of plain text "
+        "whose loss must not rise (preservation)")
+    labels: list = setting(["payment", "account", "tech", "product"], "comma-separated label set "
+        "the completions are scored against")
+    label_eval: bool = setting(True, "score every held-out row as a decision among the labels (its "
+        "completion must be one) with the accuracy, calibration, format, slice and stability "
+        "surfaces and gates; off: held-out loss only")
+    chat_template: bool = setting(True, "wrap prompt/completion as user/assistant turns")
+    max_len: int = setting(96, "tokens per row after truncation", at_least=8)
+    truncation_side: str = setting("left", "left: drop the prompt's start; right: the completion's "
+        "end", one_of=("left", "right"))
+    bucket: int = setting(16, "pad lengths to multiples of this (few compiled programs)",
+        at_least=1)
+    pack: bool = setting(True, "SFT: several short rows share one sequence (block-diagonal "
+        "attention, positions restart per row) instead of padding")
+    window: int = setting(0, "SFT on long data: each epoch's rows packed first-fit (longest first) "
+        "into windows of this many tokens, batch_size windows per micro-batch; 0: each "
+        "micro-batch's rows share sequences of its longest row")
+    loss_on: str = setting("completion", "SFT tokens scored: completion (the prompt masked) or all "
+        "(prompt and template too: the negative control of `vkdsl probe prompt-mask`); evaluation "
+        "always scores completions", one_of=("completion", "all"))
+    rehearsal_file: str = setting("", "general text (plain lines or JSONL {text}) mixed into SFT "
+        "as its own loss term; keep it disjoint from preservation_file, which measures")
+    rehearsal_weight: float = setting(0.0, "w: SFT objective = task mean + w * mean next-token "
+        "loss on the rehearsal text", at_least=0)
+    rehearsal_batch: int = setting(4, "rehearsal passages per optimizer step (taken in order, "
+        "cycling)", at_least=1)
+    # adapter: by default the top third of SmolLM2's 30 layers, every projection but k; layers
+    # below the first adapter run once per row (prefix cache), so a step costs a third of the
+    # model (BENCHMARKS.md)
+    targets: list = setting(["attn_q", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"],
+        "comma-separated module patterns the adapters go on (attn_q, q_proj, in_proj_qkv, ..., or "
+        "all-linear)")
+    layers: str = setting("last:10", "layers to adapt: '' = all, e.g. 0-3,7, or last:N for the top "
+        "N layers")
+    rank: int = setting(8, "LoRA rank r", at_least=1)
+    alpha: float = setting(16.0, "LoRA alpha (scale alpha/r, or alpha/sqrt(r) with rslora)",
+        above=0)
+    rslora: bool = setting(False, "rank-stabilized scale alpha/sqrt(r)")
     # objective and optimizer
-    tmkl: float = 0.3                   # lambda; 0 = plain SFT (no base forward at all)
-    tmkl_cache_bytes: int = 1 << 30     # base logits kept for TMKL; 0 = a base forward every step
-    prefix_cache_bytes: int = 1 << 30   # outputs of the layers below the first adapter; 0 = off
-    checkpoint: str = "none"            # activations in the backward: none (kept), layers, every:K
-    activations: str = "fp32"           # what the backward keeps: fp32, or fp16 (16-bit storage)
-    device_memory: str = ""             # the plan's budget, e.g. 4G ("": the device's own)
-    lr: float = 2e-3
-    warmup: int = 2
-    min_lr_ratio: float = 0.1
-    steps: int = 16
-    batch_size: int = 4                 # rows (with window: windows) per micro-batch
-    grad_accum: int = 1                 # micro-batches per optimizer step
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    clip: float = 1.0                   # 0 = no clipping
-    seed: int = 0                       # adapter init
-    data_seed: int = 0                  # data order
-    # preference stage (DPO); objective sft = SFT only, dpo = DPO only, sft+dpo = SFT then DPO
-    objective: str = "sft+dpo"
-    dpo_train_file: str = str(DATA / "routing_prefs_train.jsonl")
-    dpo_heldout_file: str = str(DATA / "routing_prefs_heldout.jsonl")
-    dpo_steps: int = 6
-    dpo_beta: float = 0.1
-    dpo_lr: float = 1e-4
-    dpo_batch: int = 4
-    dpo_nll_weight: float = 1.0         # NLL on the chosen responses (0: plain DPO)
-    reference: str = "auto"             # auto: the SFT adapter after SFT, else the base; base; none
+    tmkl: float = setting(0.3, "lambda of the target-masked KL to the base; 0 = plain SFT (no base "
+        "forward)", at_least=0)
+    tmkl_cache_bytes: int = setting(1 << 30, "bytes of host memory for the base model's logits at "
+        "supervised positions, computed once per training row; 0 = a base forward in every step",
+        at_least=0)
+    prefix_cache_bytes: int = setting(1 << 30, "bytes of host memory for the output of the layers "
+        "below the first adapted one, computed once per row and reused by every step and "
+        "evaluation; 0 = recompute", at_least=0)
+    checkpoint: str = setting("none", "activation checkpointing: none keeps every layer's "
+        "activations for the backward; layers keeps each adapted layer's input and recomputes the "
+        "layer in the backward; every:K keeps one input in K layers (less memory, one more forward "
+        "of the adapted layers per step)")
+    activations: str = setting("fp32", "storage of the activations kept for the backward: fp32, or "
+        "fp16 (half the bytes, needs the device's 16-bit storage; arithmetic stays fp32, the "
+        "gradients are those at the fp16-rounded activations: BENCHMARKS.md states the difference)",
+        one_of=("fp32", "fp16"))
+    device_memory: str = setting("", "the device-memory budget the run is planned against "
+        "(train.memplan), e.g. 4G; a run over it is refused before its first step with settings "
+        "that fit; empty: the device's heap (or $VKDSL_DEVICE_MEMORY_LIMIT)")
+    lr: float = setting(0.002, "peak learning rate (AdamW)", above=0)
+    warmup: int = setting(2, "linear warm-up steps", at_least=0)
+    min_lr_ratio: float = setting(0.1, "cosine decay floor as a fraction of lr",
+        at_least=0, at_most=1)
+    steps: int = setting(16, "optimizer steps of SFT", at_least=1)
+    batch_size: int = setting(4, "rows per micro-batch (with window: windows)", at_least=1)
+    grad_accum: int = setting(1, "micro-batches per optimizer step", at_least=1)
+    betas: list = setting([0.9, 0.999], "AdamW beta1,beta2")
+    eps: float = setting(1e-08, "AdamW epsilon", above=0)
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay", at_least=0)
+    clip: float = setting(1.0, "global gradient-norm clip; 0 = none", at_least=0)
+    seed: int = setting(0, "adapter initialization seed")
+    data_seed: int = setting(0, "data order seed")
+    # preference stage (DPO)
+    objective: str = setting("sft+dpo", "sft, dpo or sft+dpo (SFT then DPO)",
+        one_of=("sft", "dpo", "sft+dpo"))
+    dpo_train_file: str = setting(str(DATA / "routing_prefs_train.jsonl"), "preference pairs, "
+        "JSONL: prompt/chosen/rejected")
+    dpo_heldout_file: str = setting(str(DATA / "routing_prefs_heldout.jsonl"), "held-out "
+        "preference pairs")
+    dpo_steps: int = setting(6, "optimizer steps of DPO", at_least=1)
+    dpo_beta: float = setting(0.1, "DPO beta", above=0)
+    dpo_lr: float = setting(0.0001, "DPO learning rate", above=0)
+    dpo_batch: int = setting(4, "pairs per DPO step", at_least=1)
+    dpo_nll_weight: float = setting(1.0, "weight of an optional NLL on the chosen responses",
+        at_least=0)
+    reference: str = setting("auto", "DPO reference: auto (the SFT adapter after SFT, else the "
+        "base), base, sft or none", one_of=("auto", "base", "sft", "none"))
     # evidence, checkpoints, output
-    eval_every: int = 0
-    eval_batch: int = 8
-    checkpoint_every: int = 10
-    merge_check_rows: int = 2
-    format_tokens: int = 8              # greedy tokens generated for a format failure shown
-    format_examples: int = 3            # format failures generated verbatim and shown
-    stability_rows: int = 8             # held-out rows re-decided on the fp32-dequantized base
-    gate_heldout_acc: float = 0.5       # held-out label accuracy must exceed this (and its
-                                                     # Wilson lower bound the base's accuracy)
-    gate_dpo_pair_acc: float = 0.5      # DPO: held-out pair accuracy must exceed this
-    gate_dpo_task_drop: float = 0.0625  # DPO: held-out accuracy may fall this much below SFT's
-    gate_preservation: float = 0.10     # preservation loss may rise at most this (nats/token)
-    gate_train_drop: float = 0.0        # final train loss must be below the first by more
-    gate_merge: float = 1e-2            # merged-vs-separate max logit difference
-    gate_format: float = 0.9            # greedy output = exactly one label + end-of-turn, share
-    gate_calibration: float = 0.25      # expected calibration error of the label decision, at most
-    gate_slice: float = 0.5             # accuracy of the worst category, at least
-    gate_stability: float = 0.9         # decisions equal on the fp32-dequantized base, share
-    verify: bool = True                 # short `vkdsl verify` pass over the kernels used
-    out: str = ""
-    quiet: bool = False
-    jsonl: bool = False
+    eval_every: int = setting(0, "steps between held-out evaluations; 0 = only at the end",
+        at_least=0)
+    eval_batch: int = setting(8, "rows per evaluation batch")
+    checkpoint_every: int = setting(10, "steps between checkpoints; 0 = only at the end",
+        at_least=0)
+    merge_check_rows: int = setting(2, "rows on which merged and separate logits are compared")
+    format_tokens: int = setting(8, "format surface: tokens generated greedily for each failure "
+        "shown", at_least=1)
+    format_examples: int = setting(3, "format surface: failures generated verbatim and shown (0 = "
+        "none; the share is exact either way, from the teacher-forced pass)", at_least=0)
+    stability_rows: int = setting(8, "stability surface: held-out rows decided again with the same "
+        "adapter on the base dequantized to fp32 (0 = skip)", at_least=0)
+    # gates
+    gate_heldout_acc: float = setting(0.5, "gate: held-out label accuracy must exceed this, and "
+        "its Wilson 95% lower bound the base model's accuracy")
+    gate_dpo_pair_acc: float = setting(0.5, "gate: DPO held-out pair accuracy (chosen above "
+        "rejected) must exceed this")
+    gate_dpo_task_drop: float = setting(0.0625, "gate: held-out label accuracy after DPO may be "
+        "this much below after SFT (2 of 32 rows)", at_least=0, at_most=1)
+    gate_preservation: float = setting(0.1, "gate: preservation loss may rise at most this "
+        "(nats/token)")
+    gate_train_drop: float = setting(0.0, "gate: the final train loss must be below the first by "
+        "more than this")
+    gate_merge: float = setting(0.01, "gate: merged-vs-separate max logit difference")
+    gate_format: float = setting(0.9, "gate: share of held-out prompts whose greedy output is "
+        "exactly one label then end-of-turn", at_least=0, at_most=1)
+    gate_calibration: float = setting(0.25, "gate: expected calibration error of the label "
+        "decision (10 bins) at most this", at_least=0, at_most=1)
+    gate_slice: float = setting(0.5, "gate: label accuracy of the worst held-out category at least "
+        "this", at_least=0, at_most=1)
+    gate_stability: float = setting(0.9, "gate: share of decisions unchanged when the base is "
+        "dequantized to fp32", at_least=0, at_most=1)
+    verify: bool = setting(True, "a short `vkdsl verify` pass over the kernels used, before "
+        "training")
+    out: str = setting("", "run folder ('' = runs/<date-time>)")
+    quiet: bool = setting(False, "print only the summary")
+    jsonl: bool = setting(False, "print one JSON object per event instead of progress")
+
     def validate(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"config: {f.name}={v} is not a finite number")
+            broken = _broken_rule(f.name, v, f.metadata)
+            if broken:
+                raise ConfigError(f"config: {broken}")
         checks = [
-            (self.quant in ("keep", "none", "int4", "nf4"),
-             "quant must be keep, none, int4 or nf4"),
-            (self.precision in ("fp32", "fp16"), "precision must be fp32 or fp16"),
-            (self.max_len >= 8, "max_len must be >= 8"),
             (bool(self.labels) or not self.label_eval,
              "labels is empty: name the labels the held-out completions are scored against, or "
              "turn label evaluation off (--no-label-eval: held-out loss only, no accuracy, "
              "calibration, format, slice or stability gates)"),
             (len(set(self.labels)) == len(self.labels), "labels must not repeat a label"),
-            (self.truncation_side in ("left", "right"),
-             "truncation_side must be 'left' or 'right'"),
-            (self.loss_on in ("completion", "all"), "loss_on must be completion or all"),
-            (self.bucket >= 1, "bucket must be >= 1"),
             (self.window == 0 or self.window >= self.max_len,
              f"window ({self.window}) must be 0 or at least max_len ({self.max_len}): every row "
              f"must fit one"),
             (self.window == 0 or self.pack, "window needs pack = true (rows share windows)"),
-            (self.rank >= 1, "rank must be >= 1"),
-            (self.alpha > 0, "alpha must be > 0"),
-            (self.tmkl >= 0, "tmkl (lambda) must be >= 0"),
-            (self.rehearsal_weight >= 0 and self.rehearsal_batch >= 1,
-             "rehearsal_weight must be >= 0 and rehearsal_batch >= 1"),
             (self.rehearsal_weight == 0 or self.rehearsal_file,
              "rehearsal_weight > 0 needs a rehearsal_file of general text"),
-            (self.tmkl_cache_bytes >= 0, "tmkl_cache_bytes must be >= 0"),
-            (self.prefix_cache_bytes >= 0, "prefix_cache_bytes must be >= 0"),
             (self.checkpoint_layers >= 0, "checkpoint must be none, layers or every:K with K >= 1"),
-            (self.activations in ("fp32", "fp16"),
-             f"activations {self.activations!r}: expected fp32 or fp16"),
             (self._device_memory_ok(),
              f"device_memory {self.device_memory!r}: expected bytes with an optional "
              f"K/M/G suffix, e.g. 4G, or empty for the device's own budget"),
-            (self.lr > 0, "lr must be > 0"),
-            (self.warmup >= 0, "warmup must be >= 0"),
             (self.warmup <= self.steps or self.objective == "dpo",
              f"warmup ({self.warmup}) must not exceed steps ({self.steps}): the learning rate "
              f"would never reach lr"),
-            (0 <= self.min_lr_ratio <= 1, "min_lr_ratio must be in [0, 1]"),
-            (self.steps >= 1, "steps must be >= 1"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.grad_accum >= 1, "grad_accum must be >= 1"),
             (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
              "betas must be two values in [0, 1)"),
-            (self.eps > 0, "eps must be > 0"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (self.clip >= 0, "clip must be >= 0"),
-            (self.eval_every >= 0 and self.checkpoint_every >= 0,
-             "eval_every/checkpoint_every must be >= 0"),
-            (self.format_tokens >= 1 and self.format_examples >= 0 and self.stability_rows >= 0,
-             "format_tokens must be >= 1, format_examples and stability_rows >= 0"),
-            (all(0 <= getattr(self, g) <= 1
-                 for g in ("gate_format", "gate_calibration", "gate_slice", "gate_stability",
-                                                       "gate_dpo_task_drop")),
-             "gate_format, gate_calibration, gate_slice, gate_stability and gate_dpo_task_drop "
-             "must be in [0, 1]"),
             (len(self.targets) > 0, "targets must name at least one module pattern"),
-            (self.objective in ("sft", "dpo", "sft+dpo"), "objective must be sft, dpo or sft+dpo"),
-            (self.reference in ("auto", "base", "sft", "none"),
-             "reference must be auto, base, sft or none"),
-            (self.dpo_steps >= 1 and self.dpo_batch >= 1, "dpo_steps and dpo_batch must be >= 1"),
-            (self.dpo_beta > 0 and self.dpo_lr > 0 and self.dpo_nll_weight >= 0,
-             "dpo_beta and dpo_lr must be > 0, dpo_nll_weight >= 0"),
         ]
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"config: {f.name}={v} is not a finite number")
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(f"config: {msg}")
@@ -203,113 +246,7 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
-# One line of help per setting: `vkdsl-train --help` is generated from FIELDS and this table.
-HELP = {
-    "model": "GGUF file or Hugging Face folder ('' = the installed SmolLM2-135M-Instruct)",
-    "quant": "how the frozen base is stored on the device: keep (the file's own blocks, e.g. "
-             "Q4_1), none (fp32), int4 or nf4 (packed on load, group 64)",
-    "precision": "fp32 matmuls, or fp16: every matmul (adapters, fp32 and quantized bases) takes "
-                 "fp16 inputs with fp32 sums, on cooperative matrices where the device has them "
-                 "(vkdsl doctor says which)",
-    "train_file": "SFT rows, JSONL: prompt/completion (optionally system) or messages",
-    "heldout_file": "held-out rows (same format) for accuracy and loss evidence",
-    "preservation_file": "JSONL rows of plain text whose loss must not rise (preservation)",
-    "labels": "comma-separated label set the completions are scored against",
-    "label_eval": "score every held-out row as a decision among the labels (its completion must be "
-                  "one) with the accuracy, calibration, format, slice and stability surfaces and "
-                  "gates; off: held-out loss only",
-    "chat_template": "wrap prompt/completion as user/assistant turns",
-    "max_len": "tokens per row after truncation",
-    "truncation_side": "left: drop the prompt's start; right: the completion's end",
-    "bucket": "pad lengths to multiples of this (few compiled programs)",
-    "pack": "SFT: several short rows share one sequence (block-diagonal attention, positions "
-            "restart per row) instead of padding",
-    "window": "SFT on long data: each epoch's rows packed first-fit (longest first) into windows "
-              "of this many tokens, batch_size windows per micro-batch; 0: each micro-batch's rows "
-              "share sequences of its longest row",
-    "rehearsal_file": "general text (plain lines or JSONL {text}) mixed into SFT as its own loss "
-                      "term; keep it disjoint from preservation_file, which measures",
-    "rehearsal_weight": "w: SFT objective = task mean + w * mean next-token loss on the "
-                        "rehearsal text",
-    "rehearsal_batch": "rehearsal passages per optimizer step (taken in order, cycling)",
-    "loss_on": "SFT tokens scored: completion (the prompt masked) or all (prompt and template "
-               "too: the negative control of `vkdsl probe prompt-mask`); evaluation always scores "
-               "completions",
-    "targets": "comma-separated module patterns the adapters go on (attn_q, q_proj, "
-               "in_proj_qkv, ..., or all-linear)",
-    "layers": "layers to adapt: '' = all, e.g. 0-3,7, or last:N for the top N layers",
-    "rank": "LoRA rank r",
-    "alpha": "LoRA alpha (scale alpha/r, or alpha/sqrt(r) with rslora)",
-    "rslora": "rank-stabilized scale alpha/sqrt(r)",
-    "tmkl": "lambda of the target-masked KL to the base; 0 = plain SFT (no base forward)",
-    "checkpoint": "activation checkpointing: none keeps every layer's activations for the "
-                  "backward; layers keeps each adapted layer's input and recomputes the layer in "
-                  "the backward; every:K keeps one input in K layers (less memory, one more "
-                  "forward of the adapted layers per step)",
-    "activations": "storage of the activations kept for the backward: fp32, or fp16 (half the "
-                   "bytes, needs the device's 16-bit storage; arithmetic stays fp32, the gradients "
-                   "are those at the fp16-rounded activations: BENCHMARKS.md states the "
-                   "difference)",
-    "device_memory": "the device-memory budget the run is planned against (train.memplan), e.g. "
-                     "4G; a run over it is refused before its first step with settings that fit; "
-                     "empty: the device's heap (or $VKDSL_DEVICE_MEMORY_LIMIT)",
-    "tmkl_cache_bytes": "bytes of host memory for the base model's logits at supervised positions, "
-                        "computed once per training row; 0 = a base forward in every step",
-    "prefix_cache_bytes": "bytes of host memory for the output of the layers below the first "
-                          "adapted one, computed once per row and reused by every step and "
-                          "evaluation; 0 = recompute",
-    "lr": "peak learning rate (AdamW)",
-    "warmup": "linear warm-up steps",
-    "min_lr_ratio": "cosine decay floor as a fraction of lr",
-    "steps": "optimizer steps of SFT",
-    "batch_size": "rows per micro-batch (with window: windows)",
-    "grad_accum": "micro-batches per optimizer step",
-    "betas": "AdamW beta1,beta2",
-    "eps": "AdamW epsilon",
-    "weight_decay": "AdamW decoupled weight decay",
-    "clip": "global gradient-norm clip; 0 = none",
-    "seed": "adapter initialization seed",
-    "data_seed": "data order seed",
-    "objective": "sft, dpo or sft+dpo (SFT then DPO)",
-    "dpo_train_file": "preference pairs, JSONL: prompt/chosen/rejected",
-    "dpo_heldout_file": "held-out preference pairs",
-    "dpo_steps": "optimizer steps of DPO",
-    "dpo_beta": "DPO beta",
-    "dpo_lr": "DPO learning rate",
-    "dpo_batch": "pairs per DPO step",
-    "dpo_nll_weight": "weight of an optional NLL on the chosen responses",
-    "reference": "DPO reference: auto (the SFT adapter after SFT, else the base), base, "
-                 "sft or none",
-    "eval_every": "steps between held-out evaluations; 0 = only at the end",
-    "eval_batch": "rows per evaluation batch",
-    "checkpoint_every": "steps between checkpoints; 0 = only at the end",
-    "merge_check_rows": "rows on which merged and separate logits are compared",
-    "format_tokens": "format surface: tokens generated greedily for each failure shown",
-    "format_examples": "format surface: failures generated verbatim and shown (0 = none; the share "
-                       "is exact either way, from the teacher-forced pass)",
-    "stability_rows": "stability surface: held-out rows decided again with the same adapter on "
-                      "the base dequantized to fp32 (0 = skip)",
-    "gate_heldout_acc": "gate: held-out label accuracy must exceed this, and its Wilson 95% lower "
-                        "bound the base model's accuracy",
-    "gate_dpo_pair_acc": "gate: DPO held-out pair accuracy (chosen above rejected) must "
-                         "exceed this",
-    "gate_dpo_task_drop": "gate: held-out label accuracy after DPO may be this much below after "
-                          "SFT (2 of 32 rows)",
-    "gate_preservation": "gate: preservation loss may rise at most this (nats/token)",
-    "gate_train_drop": "gate: the final train loss must be below the first by more than this",
-    "gate_merge": "gate: merged-vs-separate max logit difference",
-    "gate_format": "gate: share of held-out prompts whose greedy output is exactly one label then "
-                   "end-of-turn",
-    "gate_calibration": "gate: expected calibration error of the label decision (10 bins) at "
-                        "most this",
-    "gate_slice": "gate: label accuracy of the worst held-out category at least this",
-    "gate_stability": "gate: share of decisions unchanged when the base is dequantized to fp32",
-    "verify": "a short `vkdsl verify` pass over the kernels used, before training",
-    "out": "run folder ('' = runs/<date-time>)",
-    "quiet": "print only the summary",
-    "jsonl": "print one JSON object per event instead of progress",
-}
-assert set(HELP) == set(FIELDS), f"settings without help: {sorted(set(FIELDS) ^ set(HELP))}"
+HELP = {name: f.metadata["help"] for name, f in FIELDS.items()}
 
 
 def default_of(name):
