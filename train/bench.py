@@ -78,6 +78,24 @@ def _free(model, *traced):
     gc.collect()
 
 
+def random_batch(model, B, T):
+    """B x T random tokens with every position supervised (the next token): the bench shapes."""
+    ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
+    return ids, np.roll(ids, -1, axis=1)
+
+
+def numpy_forward_s(w, cfg, ids) -> float:
+    """Seconds of the numpy float32 forward of each row of ids (models.bench.numpy_forward)."""
+    t0 = time.perf_counter()
+    for row in ids:
+        numpy_forward(w, cfg, row)
+    return time.perf_counter() - t0
+
+
+def default_llama(path=None) -> Llama:
+    return Llama(load_model_files(path or default_model_path())[0])
+
+
 def sft_stepper(model, targets, **kw):
     cfg = TrainConfig(**{**BENCH, "targets": list(targets), **kw}).validate()
     names = inject(model, cfg)
@@ -99,9 +117,7 @@ TARGETS = {"q,v": ("attn_q", "attn_v"), "all seven": ALL}
 def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=tuple(TARGETS),
               steps=0, lr=1e-4, modules=TARGETS, activations="fp32"):
     T = min(T, model.cfg.context_length)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
-    labels = np.roll(ids, -1, axis=1)
+    ids, labels = random_batch(model, B, T)
     rows = []
     for name, mods in ((n, modules[n]) for n in targets):
         dev = default_device()
@@ -110,7 +126,7 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
         case = (f"sft {B}x{T}, adapters on {name} (trainer step" + ("" if checkpoint == "none" else
                                                                     f", checkpoint {checkpoint}")
                 + ("" if activations == "fp32" else f", activations {activations}") + ")")
-        args = (ids.astype(np.int32), *_select_args(labels))
+        args = (ids, *_select_args(labels))
         planned = st.fn.plan(*args)         # traced and scheduled, nothing allocated
         if plan_only:
             rows.append({"case": case, "weights_bytes": model.device_bytes()["device_bytes"],
@@ -141,10 +157,7 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
         _free(model, st.fn, st.fn_packed)
     if plan_only or w is None:  # long rows: the numpy forward's (T, T) scores would dominate
         return rows
-    t0 = time.perf_counter()
-    for b in range(B):
-        numpy_forward(w, model.cfg, ids[b])
-    npt = time.perf_counter() - t0
+    npt = numpy_forward_s(w, model.cfg, ids)
     rows.append({"case": f"numpy fp32 forward only, {B}x{T}", "step_s": npt,
                  "tokens_per_s": B * T / npt})
     return rows
@@ -212,16 +225,12 @@ def quick_sft(B=1, T=64, path=None) -> dict:
     adapters on q,v, B x T tokens, best of 2 after a warm-up step, beside the numpy fp32 forward."""
     ck, _ = load_model_files(path or default_model_path())
     model = Llama(ck)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
+    ids, labels = random_batch(model, B, T)
     st, params = sft_stepper(model, ("attn_q", "attn_v"))
-    t, _ = time_stepper(model, st, params, [(ids, np.roll(ids, -1, axis=1))])
+    t, _ = time_stepper(model, st, params, [(ids, labels)])
     _free(model, st.fn, st.fn_packed)
     w = {k: v.astype(np.float32) for k, v in ck.dequantized().items()}
-    t0 = time.perf_counter()
-    for b in range(B):
-        numpy_forward(w, model.cfg, ids[b])
-    npt = time.perf_counter() - t0
+    npt = numpy_forward_s(w, model.cfg, ids)
     return {"case": f"{B}x{T}, adapters on q,v", "step_s": t, "tokens_per_s": B * T / t,
             "numpy_tokens_per_s": B * T / npt}
 

@@ -59,11 +59,15 @@ def head_rows(rows, cfg) -> int:
     return min(B * T, 16 * -(-int(np.ceil(n)) // 16))
 
 
-def _supervised(B, T, n) -> np.ndarray:
-    """(B, T) labels with n positions supervised: a batch whose head takes n rows."""
+def _batch(r, B, T, n) -> tuple:
+    """(feed, pos, labels) of a B x T batch whose head takes n rows: what a traced step or scoring
+    function is planned at (the feed is the frozen prefix's stream when there is one)."""
     lab = np.full(B * T, IGNORE, np.int32)
     lab[:n] = 0
-    return lab.reshape(B, T)
+    pos, lab = select(lab.reshape(B, T), size=n)
+    feed = (np.zeros((B, T, r.model.cfg.dim), np.float32) if r.prefix.start
+            else np.zeros((B, T), np.int32))
+    return feed, pos, lab
 
 
 def step_bytes(r, cfg) -> int:
@@ -72,11 +76,8 @@ def step_bytes(r, cfg) -> int:
     m, rows = r.model, r.train
     stepper = r.stepper if cfg is r.cfg else Stepper(m, r.params, cfg, r.prefix)
     B, T = _largest(cfg, rows)
-    n = head_rows(rows, cfg)
-    pos, lab = select(_supervised(B, T, n), size=n)
+    feed, pos, lab = _batch(r, B, T, head_rows(rows, cfg))
     inv = np.ones(1, np.float32)
-    feed = (np.zeros((B, T), np.int32) if not stepper.prefix.start
-            else np.zeros((B, T, m.cfg.dim), np.float32))
     base = () if stepper.base_cache is None else tuple(
         split_rows(np.zeros((len(pos), m.cfg.vocab_size), np.float32), m.logit_rows))
     if cfg.window:
@@ -95,10 +96,8 @@ def dpo_step_bytes(r, cfg) -> int:
     for side in ("chosen", "rejected"):
         rows = [getattr(p, side) for p in pairs]
         T = bucket_len(max(len(x.ids) for x in rows), cfg.bucket, cfg.max_len)
-        n = head_rows(rows, dataclasses.replace(cfg, batch_size=B, window=0))
-        pos, lab = select(_supervised(B, T, n), size=n)
-        feed = (np.zeros((B, T, r.model.cfg.dim), np.float32) if r.prefix.start
-                else np.zeros((B, T), np.int32))
+        feed, pos, lab = _batch(r, B, T,
+                                head_rows(rows, dataclasses.replace(cfg, batch_size=B, window=0)))
         args += [feed, pos, lab, dpo.segments(pos, lab, T, B)]
     fn = dpo.build_dpo_step(r.model, r.params, cfg.dpo_beta, cfg.dpo_nll_weight, r.prefix.start,
                             cfg.checkpoint_layers, cfg.activations)
@@ -110,10 +109,7 @@ def score_bytes(r, cfg, rows) -> int:
     rows."""
     E, T = _largest(dataclasses.replace(cfg, batch_size=cfg.eval_batch, window=0), rows)
     n = head_rows(rows, dataclasses.replace(cfg, batch_size=E, window=0))
-    pos, lab = select(_supervised(E, T, n), size=n)
-    feed = (np.zeros((E, T, r.model.cfg.dim), np.float32) if r.prefix.start
-            else np.zeros((E, T), np.int32))
-    return r.scorer.fns[True].plan(feed, pos, lab)["total"]
+    return r.scorer.fns[True].plan(*_batch(r, E, T, n))["total"]
 
 
 # never alive together (the SFT step is released when its loop ends, the final evaluation's fp32

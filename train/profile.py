@@ -89,12 +89,9 @@ def profile_sft(path=None) -> list[dict]:
 
 
 def profile_dpo(path=None) -> list[dict]:
-    from vkdsl.models import load_model_files
-    from vkdsl.models.default import default_model_path
-    from vkdsl.models.llama import Llama
     from . import loop
-    from .bench import dpo_objective
-    model = Llama(load_model_files(path or default_model_path())[0])
+    from .bench import default_llama, dpo_objective
+    model = default_llama(path)
     obj, params, opt = dpo_objective(model)
     loop.one_step(obj, params, opt, 0)
     t = time.perf_counter()
@@ -118,15 +115,10 @@ def bench_or_profile(objective="sft", path=None, profile=False, checkpoint="none
 def profile_bench_sft(shape: str = "4x256", targets: str = "qv", path=None) -> list[dict]:
     """The bench rows' SFT step (random tokens, every position supervised, no frozen prefix) by
     class."""
-    from vkdsl.models import load_model_files
-    from vkdsl.models.default import default_model_path
-    from vkdsl.models.llama import Llama
-    from .bench import ALL, _select_args, sft_stepper, time_stepper
-    B, T = (int(v) for v in shape.split("x"))
-    model = Llama(load_model_files(path or default_model_path())[0])
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, model.cfg.vocab_size, (B, T)).astype(np.int32)
-    labels = np.roll(ids, -1, axis=1)
+    from .bench import ALL, _select_args, default_llama, parse_shape, random_batch, sft_stepper
+    from .bench import time_stepper
+    model = default_llama(path)
+    ids, labels = random_batch(model, *parse_shape(shape))
     st, params = sft_stepper(model, ("attn_q", "attn_v") if targets == "qv" else ALL)
     wall, _ = time_stepper(model, st, params, [(ids, labels)], reps=1)
     return table(st.fn.program(ids, *_select_args(labels)), model.cfg.vocab_size, wall,
