@@ -165,12 +165,11 @@ def golden_make(spec, out, match):
 def compile_(device, bundle, jobs):
     """Write a SPIR-V bundle; run elsewhere with VKDSL_SPIRV_BUNDLE=DIR and no shader compiler."""
     dev = open_device(device)
-    from vkdsl import compiler, matmul, ops
+    from vkdsl import compiler, handwritten, ops  # noqa: F401  (ops registers its kernel families)
     commands = [_job_command(j) for j in jobs]          # a malformed --for fails before any work
     run_verify(repeat_warm=False)          # every generated kernel the verify suite builds
     _demo(quiet=True)
-    for library in (matmul, ops):          # each library names its own hand-written variants
-        library.builtin_variants(dev)
+    handwritten.builtin_variants(dev)      # every registered family's hand-written variants
     i = dev.info
     n = compiler.write_bundle(bundle, dict(compiler.compiled_this_process),
                               {"device": f"{i.name} ({i.driver} {i.driver_info})"})

@@ -4,8 +4,3 @@ their place (attention, quant), and their verify rows."""
 from . import attention, checks, losses, nn, optim, quant  # noqa: F401
 from .lora import LoRA, lora_linear, lora_scale            # noqa: F401
 from .quant import checks as quant_checks                  # noqa: F401
-
-
-def builtin_variants(dev) -> list[str]:
-    """Every hand-written kernel variant of the op library this device can pick (for bundles)."""
-    return quant.builtin_variants(dev) + attention.builtin_variants(dev)

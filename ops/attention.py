@@ -16,7 +16,7 @@ from vkdsl import Tensor
 from vkdsl.autograd import grad
 from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.custom import CustomOp, custom
-from vkdsl.handwritten import build_kernel, has_int64, texel_reads
+from vkdsl.handwritten import KernelVariant, has_int64, texel_reads, variant_family
 from vkdsl.tensor import ShapeError
 
 from .nn import causal_mask, softmax
@@ -63,24 +63,27 @@ def _defines(dev, D, G, **more) -> dict:
     return {"D": D, "G": G, **more, **({} if has_int64(dev) else {"NO_INT64": 1})}
 
 
+def _variant(source, name, defines, n_buffers, mask_binding, stats_binding=None,
+             texel=False) -> KernelVariant:
+    """One of the fused kernels, its operands read as texel buffers where that is the fast load
+    (texel: kernels/attention_io.glsl), else as storage buffers."""
+    if not texel:
+        return KernelVariant(source, name, defines, (64, 1, 1))
+    texels = {b: "rgba32f" for b in range(1, n_buffers) if b not in (mask_binding, stats_binding)}
+    texels[mask_binding] = "r32ui"
+    if stats_binding is not None:
+        texels[stats_binding] = "r32f"
+    return KernelVariant(source, name + "_t", {**defines, "TEXEL": 1}, (64, 1, 1), texels=texels)
+
+
 def _kernel(dev, source, name, defines, n_buffers, dims, mask_binding, stats_binding=None):
-    """Build one of the fused kernels, its operands read as texel buffers where that is the fast
-    load (the CPU-driver kernel family, operands within maxTexelBufferElements:
-    kernels/attention_io.glsl), else as storage buffers."""
+    """Build one of the fused kernels, through texel buffers on the CPU-driver kernel family when
+    its operands fit maxTexelBufferElements (handwritten.texel_reads)."""
     B, Tq, Tk, Hq, Hkv, D = dims
     # floats of q, dO, O (and the stats); of k, v; of the mask (the spans are fewer)
     sizes = (B * Tq * Hq * D, B * Tk * Hkv * D, B * Tq * max(Tk, 2))
-    if texel_reads(dev, *sizes):
-        texels = {b: "rgba32f" for b in range(1, n_buffers) if b not in (mask_binding,
-                                                                          stats_binding)}
-        texels[mask_binding] = "r32ui"
-        if stats_binding is not None:
-            texels[stats_binding] = "r32f"
-        name, defines = name + "_t", {**defines, "TEXEL": 1}
-    else:
-        texels = None
-    return build_kernel(dev, source, name, defines, n_buffers, PUSH_SIZE, (64, 1, 1),
-                        texels=texels)
+    return _variant(source, name, defines, n_buffers, mask_binding, stats_binding,
+                    texel_reads(dev, *sizes)).build(dev, n_buffers, PUSH_SIZE)
 
 
 def attention_composed(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
@@ -202,22 +205,19 @@ def fused_attention(q, k, v, mask, causal, spans=None):
     return custom(op, srcs, q.shape)
 
 
-def builtin_variants(dev) -> list[str]:
-    """Compile (to SPIR-V) the fused kernels for common head shapes (D 64 with 3 query heads per kv
-    head, as SmolLM2-135M; D 64 without grouping), storage and texel loads, for bundles."""
-    names = []
+@variant_family("attention")
+def attention_variants(dev) -> list[KernelVariant]:
+    """The fused kernels for common head shapes (D 64 with 3 query heads per kv head, as
+    SmolLM2-135M; D 64 without grouping), storage and texel loads."""
+    out = []
     for d, g in ((64, 3), (64, 1)):
-        for texel in ({}, {"TEXEL": 1}):
-            tail = "_t" if texel else ""
-            compile_glsl(f"attention_d{d}_g{g}{tail}", kernel_source("attention.comp"),
-                         {"D": d, "G": g, **texel})
-            names.append(f"attention_d{d}_g{g}{tail}")
-            for p in (PASS_STATS, PASS_DQ, PASS_DKV):
-                name = f"attention_backward{p}_d{d}_g{g}{tail}"
-                compile_glsl(name, kernel_source("attention_backward.comp"),
-                             {"D": d, "G": g, "PASS": p, **texel})
-                names.append(name)
-    return names
+        for texel in (False, True):
+            out.append(_variant("attention.comp", f"attention_d{d}_g{g}", _defines(dev, d, g), 5,
+                                4, texel=texel))
+            out += [_variant("attention_backward.comp", f"attention_backward{p}_d{d}_g{g}",
+                             _defines(dev, d, g, PASS=p), 8, 7, 5, texel)
+                    for p in (PASS_STATS, PASS_DQ, PASS_DKV)]
+    return out
 
 
 def _traced_steps(B, T, Hq, Hkv, D, fns) -> tuple[dict, object]:

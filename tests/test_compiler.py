@@ -146,16 +146,32 @@ def test_a_swapped_shipped_kernel_is_found(tmp_path):
 
 def test_builtin_kernels_need_no_compiler(fresh_cache, monkeypatch):
     # a fresh install: empty cache, no user bundle; every hand-written variant comes from vkdsl/spirv
-    from vkdsl import matmul, ops
+    from vkdsl import handwritten, ops  # noqa: F401  (ops registers its kernel families)
     from vkdsl.runtime.context import default_device
     monkeypatch.delenv("VKDSL_SPIRV_BUNDLE", raising=False)
     before = dict(compiler.origin)
-    for library in (matmul, ops):
-        library.builtin_variants(default_device())
+    handwritten.builtin_variants(default_device())
     stale = compiler.origin["compiler"] - before["compiler"] + compiler.origin["cache"] - before["cache"]
     assert stale == 0, (f"{stale} hand-written kernel variants are not in vkdsl/spirv (a kernel source changed?): "
                         f"rebuild it as README's 'Shipped SPIR-V' says")
     assert compiler.origin["shipped"] > before["shipped"]
+
+
+def test_planners_pick_what_their_family_registers(dev):
+    # a bundle holds each family's enumeration; a planner choosing outside it would compile on a
+    # fresh install. At the default tile (a tuned tile is recorded by the job that uses it).
+    from vkdsl import handwritten
+    from vkdsl.matmul import plan_matmul
+    from vkdsl.ops import quant as Q
+    names = {v.name for family in handwritten.FAMILIES.values() for v in family(dev)}
+    assert {"matmul", "quantized weights", "attention"} <= set(handwritten.FAMILIES)
+    tile = handwritten.DEFAULT_TILE
+    picked = [plan_matmul(dev, M=m, N=n, K=k, ta=ta, tb=tb, tile=tile).name
+              for m, n, k in ((64, 96, 128), (5, 7, 3), (256, 576, 1536))
+              for ta, tb in ((False, False), (False, True), (True, False))]
+    picked += [Q.plan_qmatmul(dev, f, M=m, N=576, K=1536, form=form, tile=tile).name
+               for f in ("q4_1", "q8_0", "q6_k") for form in ("nt", "nn") for m in (1, 64)]
+    assert set(picked) <= names, sorted(set(picked) - names)
 
 
 def test_damaged_shipped_spirv_is_ignored_in_one_line(fresh_cache, tmp_path, monkeypatch, capsys):

@@ -163,6 +163,9 @@ def test_refuses_small_buffers_and_unknown_variant(dev):
     rec.release()
     with pytest.raises(ValueError, match="variant"):
         plan_matmul(dev, M=4, N=4, K=4, variant="cuda")
+    over = dev.limits.max_workgroup_count[2] + 1         # refused at planning, with the shape
+    with pytest.raises(ValueError, match=rf"matmul 32x8x8 batch {over}: .* exceed the device"):
+        plan_matmul(dev, M=32, N=8, K=8, batch=over)
 
 
 def test_empty_and_k0(dev):

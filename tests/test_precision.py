@@ -22,7 +22,7 @@ import vkdsl
 from fixtures.cli import run
 from vkdsl.autograd import grad
 from vkdsl.compiler import coopmat_backend, compile_glsl, kernel_source
-from vkdsl.matmul import coop_config, fp16_choice, plan_matmul, variant_defines
+from vkdsl.matmul import coop_config, fp16_choice, plan_matmul, matmul_variant
 from vkdsl.precision import PrecisionError, current, matmul_precision
 from vkdsl.runtime import default_device
 from vkdsl.verify import nmse
@@ -185,9 +185,10 @@ def test_the_coop_tiling_follows_the_drivers_shapes_and_shared_memory():
 def test_the_coop_kernel_compiles_for_every_form_and_passes_spirv_val():
     blobs = set()
     for ta, tb in FORMS:
-        name, d, local, bm, bn = variant_defines(coop_device(), "coop", ta, tb, 1, 1, 1, 0, 0, 0)
-        assert name.startswith("matmul_") and "_coop16x16x16_64" in name and (bm, bn) == (64, 64)
-        spirv = compile_glsl(name, kernel_source("matmul.comp"), d, coopmat=True)
+        kv = matmul_variant(coop_device(), "coop", ta, tb, 1, 1, 1, 0, 0, 0)
+        assert kv.name.startswith("matmul_") and "_coop16x16x16_64" in kv.name
+        assert (kv.rows, kv.cols) == (64, 64) and kv.coopmat and kv.source == "matmul.comp"
+        spirv = compile_glsl(kv.name, kernel_source("matmul.comp"), kv.defines, coopmat=True)
         dis = validated(spirv)
         assert "OpCapability CooperativeMatrixKHR" in dis and "OpCooperativeMatrixMulAddKHR" in dis
         assert dis.count("OpCooperativeMatrixMulAddKHR") == 1     # the WT x WT loop unrolls in the driver
@@ -201,17 +202,17 @@ def test_the_quantized_coop_kernel_compiles_for_every_format_and_passes_spirv_va
     from vkdsl.ops.quant.formats import get_format
     from vkdsl.ops.quant.kernels import qmatmul_variant
     for form in ("nt", "nn"):
-        name, d, local, bm, bn = qmatmul_variant(coop_device(), get_format(fmt), form, "coop", 1, 1)
-        assert name == f"qmatmul_{form}_{fmt}_coop16x16x16_64" and local == (32, 1, 1)
-        assert "OpCooperativeMatrixMulAddKHR" in validated(compile_glsl(name, kernel_source("qmatmul.comp"), d,
-                                                                        coopmat=True))
+        kv = qmatmul_variant(coop_device(), get_format(fmt), form, "coop", 1, 1)
+        assert kv.name == f"qmatmul_{form}_{fmt}_coop16x16x16_64" and kv.local == (32, 1, 1)
+        assert "OpCooperativeMatrixMulAddKHR" in validated(compile_glsl(kv.name, kernel_source("qmatmul.comp"),
+                                                                        kv.defines, coopmat=True))
 
 
 def test_the_coop_kernel_needs_a_compiler_that_knows_it():
     # Debian's glslc (glslang 11) can not compile it: the error names what to install
     code = ("import vkdsl.compiler as c, vkdsl.matmul as m, test_precision as t\n"
-            "n, d, *_ = m.variant_defines(t.coop_device(), 'coop', 0, 0, 1, 1, 1, 0, 0, 0)\n"
-            "c.compile_glsl(n, c.kernel_source('matmul.comp'), d, coopmat=True)\n")
+            "v = m.matmul_variant(t.coop_device(), 'coop', 0, 0, 1, 1, 1, 0, 0, 0)\n"
+            "c.compile_glsl(v.name, c.kernel_source('matmul.comp'), v.defines, coopmat=True)\n")
     env = dict(os.environ, VKDSL_GLSLANG="/nonexistent",
                PYTHONPATH=os.path.dirname(__file__), VKDSL_CACHE_DIR=tempfile.mkdtemp())
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

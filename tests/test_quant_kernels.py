@@ -227,6 +227,10 @@ def test_shape_checks(dev):
         Q.plan_qmatmul(dev, "q4_1", M=2, N=4, K=48)
     with pytest.raises(ValueError, match="form"):
         Q.plan_qmatmul(dev, "q4_1", M=2, N=4, K=64, form="tn")
+    # a batch past the device's workgroup-count limit is refused at planning, with the shape
+    over = dev.limits.max_workgroup_count[2] + 1
+    with pytest.raises(ValueError, match=rf"qmatmul nt 32x8x64 batch {over}: .* exceed the device"):
+        Q.plan_qmatmul(dev, "q4_1", M=32, N=8, K=64, batch=over, batch_stride_x=0)
     qw, _ = make_weight("q4_1", 8, 64)
     p = Q.plan_qmatmul(dev, "q4_1", M=2, N=8, K=64)
     rec = Recording(dev, 1)

@@ -1,13 +1,16 @@
-"""What every hand-written kernel (a .comp file in kernels/) needs from the core: one cached
-build of a variant from its defines, a push-constant layout declared once and checked against
-its GLSL block, a workgroup grid folded under the device's own limit, and the choice between
-the CPU-driver (lvp) and GPU variants. The matmul here and the op library's kernels use it."""
+"""What every hand-written kernel (a .comp file in kernels/) needs from the core: the variant as
+one object (`KernelVariant`: what a planner picks, a bundle compiles and a device builds, once),
+the registry of every family's variants, a push-constant layout declared once and checked against
+its GLSL block, a workgroup grid folded under the device's own limit, and the choice between the
+CPU-driver (lvp) and GPU variants. The matmul here and the op library's kernels use it."""
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import re
 import struct
+from dataclasses import dataclass, field
+from typing import Callable
 
 from .compiler import compile_glsl, kernel_source
 from .runtime import get_kernel
@@ -17,6 +20,77 @@ from .runtime import get_kernel
 # ~43 GFLOP/s, 8x16 ~30, 32x32 ~25 (accumulators spill). Columns fastest in the grid: rows fastest
 # measured half the speed.
 LVP_TILE = dict(TM=16, TN=32, LOCAL=(8, 1, 1))
+DEFAULT_TILE = (LVP_TILE["TM"], LVP_TILE["TN"])
+
+
+@dataclass(frozen=True, eq=False)
+class KernelVariant:
+    """One form of a hand-written kernel: its source and name, the defines it is compiled with, its
+    workgroup size, the block of the output one workgroup covers (tiled products), the bindings
+    read as texel buffers (binding -> format) and whether it needs cooperative matrices. A planner
+    picks one and builds it on the device; bundles compile every one a family registers."""
+    source: str
+    name: str
+    defines: dict
+    local: tuple
+    rows: int = 1
+    cols: int = 1
+    texels: dict = field(default_factory=dict)
+    coopmat: bool = False
+
+    def build(self, dev, n_buffers: int, push: "PushLayout | int"):
+        return build_kernel(dev, self.source, self.name, self.defines, n_buffers, push, self.local,
+                            coopmat=self.coopmat, texels=self.texels)
+
+    def grid(self, dev, rows: int, cols: int, batch: int = 1, what: str = "") -> tuple:
+        """Workgroups of a tiled product writing batch x rows x cols, one block of self.rows x
+        self.cols each (none when nothing is written: the runtime skips the dispatch), checked
+        against the device's workgroup-count limit."""
+        if min(rows, cols, batch) <= 0:
+            return (0, 0, 0)
+        groups = (-(-cols // self.cols), -(-rows // self.rows), batch)
+        limit = tuple(dev.limits.max_workgroup_count)
+        if any(g > lim for g, lim in zip(groups, limit)):
+            raise ValueError(f"{what or f'{self.name} {rows}x{cols}'} batch {batch}: {groups} "
+                             f"workgroups exceed the device limit {limit}")
+        return groups
+
+    def compile(self) -> str:
+        """Its SPIR-V only (no pipeline): what a bundle records."""
+        compile_glsl(self.name, kernel_source(self.source), self.defines, coopmat=self.coopmat)
+        return self.name
+
+
+FAMILIES: dict[str, Callable] = {}
+
+
+def variant_family(name: str):
+    """Register f(dev) -> [KernelVariant], every variant of a kernel family that this device's
+    planners can pick; the planners sit beside it and build the same objects."""
+    def wrap(fn):
+        FAMILIES[name] = fn
+        return fn
+    return wrap
+
+
+def builtin_variants(dev) -> list[str]:
+    """Compile (to SPIR-V, no pipelines) every registered family's variants for this device: what
+    bundles hold besides the kernels their jobs record. Families register on import (the matmul
+    here; vkdsl.ops its own)."""
+    return [v.compile() for family in FAMILIES.values() for v in family(dev)]
+
+
+def lvp_variant(source: str, prefix: str, base: dict, vec: int, sv: int,
+                tile: tuple = DEFAULT_TILE, texels: dict | None = None) -> KernelVariant:
+    """A register-tiled CPU-driver product (matmul_lvp.glsl, qmatmul_lvp.glsl): VEC-wide loads,
+    SV-wide stores, a (rows, columns) tile per invocation, its operands read as texel buffers
+    where texels names them. Named {prefix}_lvp_{t|v}{VEC}s{SV}[_{TM}x{TN}]."""
+    tm, tn = tile
+    d = dict(base, VEC=vec, SV=sv, TM=tm, TN=tn, **({"TEXEL": 1} if texels else {}))
+    lx, ly, _ = LVP_TILE["LOCAL"]
+    name = (f"{prefix}_lvp_{'t' if texels else 'v'}{vec}s{sv}"
+            + (f"_{tm}x{tn}" if tuple(tile) != DEFAULT_TILE else ""))
+    return KernelVariant(source, name, d, LVP_TILE["LOCAL"], ly * tm, lx * tn, texels or {})
 
 
 def default_variant(dev) -> str:
@@ -37,6 +111,15 @@ def texel_limit(dev) -> int:
 def texel_reads(dev, *elements: int) -> bool:
     """Whether operands of these many elements are read as texel buffers (texel_limit)."""
     return 0 < max(elements) <= texel_limit(dev)
+
+
+def texel_fits(dev, *elements: int) -> bool:
+    """Whether an lvp variant asked for by name (matmul, qmatmul) reads operands of these many
+    floats as texel buffers: on CPU drivers, within maxTexelBufferElements (the r32f fallback's
+    unit). Unlike texel_reads it holds under a GPU profile too, where a caller may still ask for
+    the lvp kernel on lavapipe."""
+    lim = dev.limits.max_texel_elements
+    return dev.info.kind == "cpu" and lim > 0 and max(elements) <= lim
 
 
 def has_int64(dev) -> bool:

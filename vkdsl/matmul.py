@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import tuning
-from .compiler import coopmat_backend, compile_glsl, kernel_source
-from .handwritten import (LVP_TILE, PushLayout, build_kernel, default_variant, each_gpu_block,
-                          gpu_config, lvp_widths, widest)
+from .compiler import coopmat_backend
+from .handwritten import (DEFAULT_TILE, KernelVariant, PushLayout, default_variant, each_gpu_block,
+                          gpu_config, lvp_variant, lvp_widths, texel_fits, variant_family, widest)
 from .precision import PrecisionError, check
 
 # MatmulPush: M, N, K, stride_a, stride_b, stride_c (uint32 each; batch strides in elements).
@@ -119,23 +119,24 @@ def fp16_variants(dev) -> list[str]:
         return []
 
 
-def gpu_variant(dev, variant: str, prefix: str, base: dict, rows: int = 0, cols: int = 0,
-                batch: int = 1, what: str = "matmul"):
-    """(kernel name, defines, local size, rows and columns per workgroup) of a GPU family's tiled
-    product — matmul.comp's and qmatmul.comp's alike: gpu (shared-memory fp32 tiles, the block
-    following rows x cols x batch), gpu16 (the same with fp16 tiles) or coop (cooperative matrices).
-    prefix names the kernel (matmul_nn, qmatmul_nt_q4_1), base holds its own defines."""
+def gpu_variant(dev, variant: str, source: str, prefix: str, base: dict, rows: int = 0,
+                cols: int = 0, batch: int = 1, what: str = "matmul") -> KernelVariant:
+    """A GPU family's tiled product — matmul.comp's and qmatmul.comp's alike: gpu (shared-memory
+    fp32 tiles, the block following rows x cols x batch), gpu16 (the same with fp16 tiles) or coop
+    (cooperative matrices). prefix names the kernel (matmul_nn, qmatmul_nt_q4_1), base holds its
+    own defines."""
     if variant in ("gpu", "gpu16"):
         cfg = gpu_config(dev, rows, cols, batch)
         d = dict(base, VARIANT_GPU=1, VEC=1, **{k: cfg[k] for k in ("BM", "BN", "BK", "TM", "TN")})
+        name = f"{prefix}_gpu{cfg['BM']}"
         # inputs (a quantized weight once dequantized) rounded as they are staged
         if variant == "gpu16":
             if not dev.limits.float16:
                 raise PrecisionError(f"{what} variant gpu16 needs shaderFloat16, which "
                                      f"{dev.info.describe()} lacks")
             d["F16_TILES"] = 1
-            return f"{prefix}_gpu16_{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
-        return f"{prefix}_gpu{cfg['BM']}", d, cfg["LOCAL"], cfg["BM"], cfg["BN"]
+            name = f"{prefix}_gpu16_{cfg['BM']}"
+        return KernelVariant(source, name, d, cfg["LOCAL"], cfg["BM"], cfg["BN"])
     cfg = coop_config(dev)
     if cfg is None:
         raise PrecisionError(f"{what} variant coop needs VK_KHR_cooperative_matrix with an "
@@ -143,20 +144,33 @@ def gpu_variant(dev, variant: str, prefix: str, base: dict, rows: int = 0, cols:
     bm, bn = cfg["CM"] * cfg["WT"], cfg["CN"] * cfg["WT"]
     d = dict(base, VARIANT_COOP=1, VEC=1, BM=bm, BN=bn,
              **{k: cfg[k] for k in ("CM", "CN", "CK", "WT", "BK")})
-    return f"{prefix}_coop{cfg['CM']}x{cfg['CN']}x{cfg['CK']}_{bm}", d, cfg["LOCAL"], bm, bn
+    return KernelVariant(source, f"{prefix}_coop{cfg['CM']}x{cfg['CN']}x{cfg['CK']}_{bm}", d,
+                         cfg["LOCAL"], bm, bn, coopmat=True)
 
 
-def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
+def tiled_variants(dev, make) -> list[KernelVariant]:
+    """Every variant of a tiled product this device can pick, for bundles: make(variant, vec, sv,
+    texel) builds one (the matmul's or a quantized matmul's); the shared-memory GPU variants at
+    every block that fits the device, coop at its one block, lvp at every load and store width."""
+    out = []
+    for _ in each_gpu_block(dev):
+        out += [make(v, 1, 1, False) for v in ["gpu"] + fp16_variants(dev) if v != "coop"]
+    out += [make(v, 1, 1, False) for v in fp16_variants(dev) if v == "coop"]
+    out += [make("lvp", vec, sv, False) for vec in lvp_widths(dev) for sv in (4, 1)]
+    return out + [make("lvp", vec, sv, True) for vec in (4, 1) for sv in (4, 1)]
+
+
+def matmul_variant(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: int,
                     stride_a: int, stride_b: int, stride_c: int, spans: tuple = (0, 0),
-                    tile: tuple | None = None, batch: int = 1):
-    """(kernel name, defines, local size, rows and columns per workgroup) of one variant; spans:
-    the elements A and B reach over the batch (the texel-buffer limit applies to them); tile: lvp's
-    (rows, columns) per invocation (None: this device's tuning, else the default); the GPU variants'
-    block follows M x N x batch (handwritten.gpu_config)."""
+                    tile: tuple | None = None, batch: int = 1) -> KernelVariant:
+    """The matmul variant for this shape; spans: the elements A and B reach over the batch (the
+    texel-buffer limit applies to them); tile: lvp's (rows, columns) per invocation (None: this
+    device's tuning, else the default); the GPU variants' block follows M x N x batch
+    (handwritten.gpu_config)."""
     form = FORMS[(bool(ta), bool(tb))]
     if variant in ("gpu", "gpu16", "coop"):
-        return gpu_variant(dev, variant, f"matmul_{form}", {"TA": int(ta), "TB": int(tb)}, M, N,
-                           batch)
+        return gpu_variant(dev, variant, "matmul.comp", f"matmul_{form}",
+                           {"TA": int(ta), "TB": int(tb)}, M, N, batch)
     if variant != "lvp":
         raise ValueError(f"unknown matmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
     # the contiguous dimension of each stored operand, and the batch strides, must be multiples of
@@ -169,16 +183,7 @@ def variant_defines(dev, variant: str, ta: bool, tb: bool, M: int, N: int, K: in
         tile = tuning.tile(dev, "matmul", form, M, N, K, lambda t: lvp_tile_fits(t, ta, tb, vec))
     elif not lvp_tile_fits(tile, ta, tb, vec):
         raise ValueError(f"matmul {form} tile {tile} does not fit {vec}-wide loads")
-    return lvp_defines(ta, tb, vec, sv, texel=texel, tile=tile)
-
-
-def texel_fits(dev, *elements: int) -> bool:
-    """Whether operands of these many floats can be read as texel buffers on this device: CPU
-    drivers only (on lavapipe a texel fetch is a gather, a storage load a loop over lanes; GPUs
-    load storage buffers at full speed), within maxTexelBufferElements (counted in floats, the
-    r32f fallback's unit)."""
-    lim = dev.limits.max_texel_elements
-    return dev.info.kind == "cpu" and lim > 0 and max(elements) <= lim
+    return lvp_matmul(ta, tb, vec, sv, texel=texel, tile=tile)
 
 
 def lvp_tile_fits(tile: tuple, ta: bool, tb: bool, vec: int) -> bool:
@@ -188,23 +193,12 @@ def lvp_tile_fits(tile: tuple, ta: bool, tb: bool, vec: int) -> bool:
     return tn % 4 == 0 and (not ta or tm % vec == 0) and (tb or tn % vec == 0)
 
 
-def lvp_defines(ta: bool, tb: bool, vec: int, sv: int, texel: bool = False,
-                tile: tuple = tuning.DEFAULT_TILE):
-    tm, tn = tile
-    d = {"TA": int(ta), "TB": int(tb), "VEC": vec, "SV": sv, "TM": tm, "TN": tn}
-    if texel:
-        d["TEXEL"] = 1
-    lx, ly, _ = LVP_TILE["LOCAL"]
-    name = (f"matmul_{FORMS[(bool(ta), bool(tb))]}_lvp_{'t' if texel else 'v'}{vec}s{sv}"
-            + (f"_{tm}x{tn}" if tuple(tile) != tuning.DEFAULT_TILE else ""))
-    return name, d, LVP_TILE["LOCAL"], ly * tm, lx * tn
-
-
-def texel_bindings(defines: dict, *bindings: int) -> dict:
-    """binding -> texel format for a TEXEL variant's operands (none for the others)."""
-    if not defines.get("TEXEL"):
-        return {}
-    return {b: "rgba32f" if defines["VEC"] == 4 else "r32f" for b in bindings}
+def lvp_matmul(ta: bool, tb: bool, vec: int, sv: int, texel: bool = False,
+               tile: tuple = DEFAULT_TILE) -> KernelVariant:
+    fmt = "rgba32f" if vec == 4 else "r32f"
+    return lvp_variant("matmul.comp", f"matmul_{FORMS[(bool(ta), bool(tb))]}",
+                       {"TA": int(ta), "TB": int(tb)}, vec, sv, tile,
+                       {1: fmt, 2: fmt} if texel else None)
 
 
 def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False, tb: bool = False,
@@ -224,18 +218,10 @@ def plan_matmul(dev, *, M: int, N: int, K: int, batch: int = 1, ta: bool = False
     variant = precision_variant(dev, precision, variant)
     last = max(batch - 1, 0)
     spans = (last * sa + M * K, last * sb + K * N)
-    name, defines, local, bm, bn = variant_defines(dev, variant, ta, tb, M, N, K, sa, sb, sc, spans,
-                                                   tile, batch)
+    kv = matmul_variant(dev, variant, ta, tb, M, N, K, sa, sb, sc, spans, tile, batch)
     push = PUSH.pack(M, N, K, sa, sb, sc)
-    groups = (-(-N // bn), -(-M // bm), batch)
-    if min(M, N, batch) == 0:
-        groups = (0, 0, 0)      # nothing to write; the runtime skips empty dispatches
-    if max(groups) > 0 and any(g > lim for g, lim in zip(groups, dev.limits.max_workgroup_count)):
-        raise ValueError(f"matmul {M}x{N}x{K} batch {batch}: {groups} workgroups exceed the "
-                         f"device limit")
-    kernel = build_kernel(dev, "matmul.comp", name, defines, 3, PUSH, local,
-                          coopmat=variant == "coop", texels=texel_bindings(defines, 1, 2))
-    return MatmulPlan(name=name, kernel=kernel, groups=groups, push=push,
+    groups = kv.grid(dev, M, N, batch, f"matmul {M}x{N}x{K}")
+    return MatmulPlan(name=kv.name, kernel=kv.build(dev, 3, PUSH), groups=groups, push=push,
                       M=M, N=N, K=K, batch=batch, ta=bool(ta), tb=bool(tb),
                       bytes_a=4 * spans[0], bytes_b=4 * spans[1],
                       bytes_c=4 * (last * sc + M * N))
@@ -251,21 +237,12 @@ def record_matmul(rec, plan: MatmulPlan, C, A, B):
     rec.dispatch(plan.kernel, [C, A, B], plan.groups, plan.push, writes=[0])
 
 
-def builtin_variants(dev) -> list[str]:
-    """Compile (to SPIR-V, no pipelines) every matmul variant this device can pick, for bundles."""
-    names = []
-    for ta, tb in FORMS:
-        variants = [lvp_defines(ta, tb, vec, sv) for vec in lvp_widths(dev) for sv in (4, 1)]
-        variants += [lvp_defines(ta, tb, vec, sv, texel=True) for vec in (4, 1) for sv in (4, 1)]
-        blocked = ["gpu"] + [v for v in fp16_variants(dev) if v == "gpu16"]  # coop has one block
-        for _ in each_gpu_block(dev):
-            variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in blocked]
-        variants += [variant_defines(dev, v, ta, tb, 1, 1, 1, 0, 0, 0) for v in fp16_variants(dev)
-                     if v == "coop"]
-        for name, d, _, _, _ in variants:
-            compile_glsl(name, kernel_source("matmul.comp"), d, coopmat="VARIANT_COOP" in d)
-            names.append(name)
-    return names
+@variant_family("matmul")
+def matmul_variants(dev) -> list[KernelVariant]:
+    """Every matmul variant this device can pick, in each of the four forms."""
+    return [v for ta, tb in FORMS for v in tiled_variants(
+        dev, lambda var, vec, sv, texel: lvp_matmul(ta, tb, vec, sv, texel) if var == "lvp"
+        else matmul_variant(dev, var, ta, tb, 1, 1, 1, 0, 0, 0))]
 
 
 def bench(sizes=(256, 512, 1024, 2048), forms=("nn", "nt", "tn"), variant=None, rounds=3, dev=None,

@@ -23,10 +23,9 @@ import os
 import sys
 
 from .fileio import atomic_write
-from .handwritten import LVP_TILE
+from .handwritten import DEFAULT_TILE
 
 FORMAT = 1
-DEFAULT_TILE = (LVP_TILE["TM"], LVP_TILE["TN"])
 # candidate tiles (rows, columns): columns a multiple of 4 (vec4 accumulators), at most 512
 # accumulators (larger spilled on lavapipe: 32x32 ran at ~25 GFLOP/s against ~43 for 16x32)
 TILES = ((16, 32), (8, 32), (32, 16), (16, 16), (8, 16), (4, 32), (16, 8), (8, 8), (32, 8), (4, 16))

@@ -5,7 +5,7 @@ from .formats import (FORMATS, NF4_CODEBOOK, NF4_GROUP, Format, QuantizedWeight,
                       array_nbytes, dequantize, format_bytes, from_gguf, get_format, quantize_int4,
                       quantize_nf4)
 from .gather import qgather  # noqa: F401
-from .kernels import (builtin_variants, plan_dequant, plan_qmatmul, plan_quantize,  # noqa: F401
-                      record_dequant, record_qmatmul, record_quantize)
+from .kernels import (plan_dequant, plan_qmatmul, plan_quantize, record_dequant,  # noqa: F401
+                      record_qmatmul, record_quantize)
 from .linear import QLinear, dequant, packed_arrays, qlinear, upload_weight  # noqa: F401
 from .roundtrip import QuantRoundTrip, roundtrip  # noqa: F401

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from vkdsl import Tensor
 from vkdsl.custom import CustomOp, custom
-from vkdsl.handwritten import PushLayout, build_kernel, grid_for
+from vkdsl.handwritten import PushLayout, grid_for
 
 from .formats import get_format
+from .kernels import gather_variant
 
 GATHER_PUSH = PushLayout("<5I", "quant_gather.comp")      # N, K, BASE, TOTAL, IDS
 
@@ -21,8 +22,7 @@ class QGather(CustomOp):
     def record(self, rec, out, srcs):
         f = get_format(self.fmt)
         V, D = self.shape
-        k = build_kernel(rec.device, "quant_gather.comp", self.name, f.defines, 2 + len(f.arrays),
-                         GATHER_PUSH, (64, 1, 1))
+        k = gather_variant(f).build(rec.device, 2 + len(f.arrays), GATHER_PUSH)
         n = srcs[0].nbytes // 4
         items = n * (D // 32)                            # one invocation per 32 weights of a row
         rec.dispatch(k, [out, *srcs], grid_for(rec.device, items),

@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vkdsl import tuning
-from vkdsl.compiler import compile_glsl, kernel_source
-from vkdsl.handwritten import (LVP_TILE, PushLayout, build_kernel, each_gpu_block, grid_for,
-                               lvp_widths, widest)
+from vkdsl.handwritten import (DEFAULT_TILE, KernelVariant, PushLayout, grid_for, lvp_variant,
+                               lvp_widths, texel_fits, variant_family, widest)
 from vkdsl.matmul import PUSH as MATMUL_PUSH
-from vkdsl.matmul import fp16_variants, gpu_variant, precision_variant, texel_fits
+from vkdsl.matmul import gpu_variant, precision_variant, tiled_variants
 
 from .formats import FORMATS, NF4_GROUP, Format, array_nbytes, check_shape, get_format
 
@@ -51,43 +50,38 @@ def qtile_fits(tile: tuple, form: str) -> bool:
     return tile[1] % 4 == 0 and (form == "nt" or tile[1] == 32)
 
 
-def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, texel: bool = False,
-                    tile: tuple = tuning.DEFAULT_TILE, rows: int = 0, cols: int = 0,
-                    batch: int = 1):
-    """(kernel name, defines, local size, rows and columns per workgroup) of a qmatmul variant; the
-    GPU variants' block follows the output's rows x cols x batch (handwritten.gpu_config)."""
-    tb = int(form == "nt")
-    if variant in ("gpu", "gpu16", "coop"):
-        return gpu_variant(dev, variant, f"qmatmul_{form}_{f.name}", dict(f.defines, TB=tb), rows,
-                           cols, batch, "qmatmul")
-    if variant != "lvp":
-        raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
-    tm, tn = tile
-    d = dict(f.defines, TB=tb, VEC=vec, SV=sv, TM=tm, TN=tn)
-    if texel:
-        d.update(TEXEL=1, QTEXEL=1)
-    lx, ly, _ = LVP_TILE["LOCAL"]
-    name = (f"qmatmul_{form}_{f.name}_lvp_{'t' if texel else 'v'}{vec}s{sv}"
-            + (f"_{tm}x{tn}" if tuple(tile) != tuning.DEFAULT_TILE else ""))
-    return name, d, LVP_TILE["LOCAL"], ly * tm, lx * tn
-
-
 WORD_FORMATS = {1: "r32ui", 2: "rg32ui", 4: "rgba32ui"}
 
 
-def qtexel_bindings(f: Format, defines: dict) -> dict:
-    """binding -> texel format: X (1) with TEXEL, the weight's arrays (2...) with QTEXEL."""
-    out = {1: "rgba32f" if defines["VEC"] == 4 else "r32f"} if defines.get("TEXEL") else {}
-    if defines.get("QTEXEL"):
-        out.update({2 + i: WORD_FORMATS[w] for i, w in enumerate(f.words)})
-    return out
+def weight_texels(f: Format) -> dict:
+    """binding -> texel format of a packed weight's arrays (bindings 2...)."""
+    return {2 + i: WORD_FORMATS[w] for i, w in enumerate(f.words)}
 
 
-def qmatvec_variant(f: Format, texel: bool) -> tuple[str, dict]:
-    """(name, defines) of the few-row kernel; texel: its weight read as uniform texel buffers (a
-    vector gather on CPU drivers; X stays a storage buffer, its loads are uniform there)."""
+def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, texel: bool = False,
+                    tile: tuple = DEFAULT_TILE, rows: int = 0, cols: int = 0,
+                    batch: int = 1) -> KernelVariant:
+    """A qmatmul variant; texel (lvp): X and the weight's arrays read as texel buffers; the GPU
+    variants' block follows the output's rows x cols x batch (handwritten.gpu_config)."""
+    tb = int(form == "nt")
+    prefix = f"qmatmul_{form}_{f.name}"
+    if variant in ("gpu", "gpu16", "coop"):
+        return gpu_variant(dev, variant, "qmatmul.comp", prefix, dict(f.defines, TB=tb), rows,
+                           cols, batch, "qmatmul")
+    if variant != "lvp":
+        raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
+    texels = {1: "rgba32f" if vec == 4 else "r32f", **weight_texels(f)} if texel else None
+    return lvp_variant("qmatmul.comp", prefix, dict(f.defines, TB=tb, **({"QTEXEL": 1} if texel
+                                                                        else {})),
+                       vec, sv, tile, texels)
+
+
+def qmatvec_variant(f: Format, texel: bool) -> KernelVariant:
+    """The few-row kernel; texel: its weight read as uniform texel buffers (a vector gather on CPU
+    drivers; X stays a storage buffer, its loads are uniform there)."""
     d = dict(f.defines, MV_ROWS=MV_ROWS, **({"QTEXEL": 1} if texel else {}))
-    return f"qmatvec_{f.name}" + ("_t" if texel else ""), d
+    return KernelVariant("qmatvec.comp", f"qmatvec_{f.name}" + ("_t" if texel else ""), d,
+                         (MV_LOCAL, 1, 1), texels=weight_texels(f) if texel else {})
 
 
 def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: int = 1,
@@ -110,10 +104,9 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     words = [n // (4 * w) for n, w in zip(array_nbytes(f.name, N, K), f.words)]
     if form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0:
         # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
-        name, defines = qmatvec_variant(f, texel_fits(dev, *words))
-        kernel = build_kernel(dev, "qmatvec.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH,
-                              (MV_LOCAL, 1, 1), texels=qtexel_bindings(f, defines))
-        return QuantPlan(name=name, kernel=kernel, groups=grid_for(dev, -(-N // 4), MV_LOCAL),
+        kv = qmatvec_variant(f, texel_fits(dev, *words))
+        return QuantPlan(name=kv.name, kernel=kv.build(dev, 2 + len(f.arrays), MATMUL_PUSH),
+                         groups=grid_for(dev, -(-N // 4), MV_LOCAL),
                          push=MATMUL_PUSH.pack(M, N, K, 0, 0, 0), fmt=f.name, N=N, K=K,
                          bytes_x=4 * M * K, bytes_c=4 * M * N, flops=2 * M * N * K)
     last = max(batch - 1, 0)
@@ -121,16 +114,13 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     vec = widest([red, sx], (4, 1) if texel else lvp_widths(dev))
     if variant != "lvp" or tile is None:
         tile = tuning.tile(dev, f"qmatmul:{f.name}", form, M, N, K, lambda t: qtile_fits(t, form)) \
-            if variant == "lvp" else tuning.DEFAULT_TILE
+            if variant == "lvp" else DEFAULT_TILE
     elif not qtile_fits(tile, form):
         raise ValueError(f"qmatmul {form} tile {tile} does not fit the kernel")
-    name, defines, local, bm, bn = qmatmul_variant(dev, f, form, variant, vec,
-                                                   4 if cols % 4 == 0 else 1, texel, tile, rows,
-                                                   cols, batch)
-    kernel = build_kernel(dev, "qmatmul.comp", name, defines, 2 + len(f.arrays), MATMUL_PUSH, local,
-                          coopmat=variant == "coop", texels=qtexel_bindings(f, defines))
-    groups = (-(-cols // bn), -(-rows // bm), batch) if min(rows, batch) > 0 else (0, 0, 0)
-    return QuantPlan(name=name, kernel=kernel, groups=groups,
+    kv = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1, texel, tile, rows,
+                         cols, batch)
+    return QuantPlan(name=kv.name, kernel=kv.build(dev, 2 + len(f.arrays), MATMUL_PUSH),
+                     groups=kv.grid(dev, rows, cols, batch, f"qmatmul {form} {M}x{N}x{K}"),
                      push=MATMUL_PUSH.pack(rows, cols, red, sx, 0, sc), fmt=f.name, N=N, K=K,
                      bytes_x=4 * (last * sx + rows * red), bytes_c=4 * (last * sc + rows * cols),
                      flops=2 * rows * cols * red * batch)
@@ -156,11 +146,28 @@ def record_qmatmul(rec, plan: QuantPlan, C, X, *qbuffers):
     rec.dispatch(plan.kernel, [C, X, *qbuffers], plan.groups, plan.push, writes=[0])
 
 
+def dequant_variant(f: Format) -> KernelVariant:
+    return KernelVariant("quant_dequant.comp", f"dequant_{f.name}", f.defines, (64, 1, 1))
+
+
+def gather_variant(f: Format) -> KernelVariant:
+    """Rows of a packed table dequantized as they are gathered (ops.quant.gather)."""
+    return KernelVariant("quant_gather.comp", f"qgather_{f.name}", f.defines, (64, 1, 1))
+
+
+# the device quantizers: int4 and int4_f16 in one pass; nf4 in two (block absmaxes, then scales)
+QUANTIZERS = {
+    "int4": (KernelVariant("quant_pack_int4.comp", "quantize_int4", {"INT4_F16": 0}, (64, 1, 1)),),
+    "int4_f16": (KernelVariant("quant_pack_int4.comp", "quantize_int4_f16", {"INT4_F16": 1},
+                               (64, 1, 1)),),
+    "nf4": (KernelVariant("quant_pack_nf4.comp", "quantize_nf4_blocks", {"PASS": 1}, (64, 1, 1)),
+            KernelVariant("quant_pack_nf4.comp", "quantize_nf4_scales", {"PASS": 2}, (8, 1, 1)))}
+
+
 def plan_dequant(dev, fmt, *, N: int, K: int) -> QuantPlan:
     f = get_format(fmt)
     check_shape(f, N, K)
-    kernel = build_kernel(dev, "quant_dequant.comp", f"dequant_{f.name}", f.defines,
-                          1 + len(f.arrays), QUANT_PUSH, (64, 1, 1))
+    kernel = dequant_variant(f).build(dev, 1 + len(f.arrays), QUANT_PUSH)
     return QuantPlan(name=f"dequant_{f.name}", kernel=kernel, groups=grid_for(dev, N * K // 32),
                      push=QUANT_PUSH.pack(N, K), fmt=f.name, N=N, K=K, bytes_c=4 * N * K)
 
@@ -181,15 +188,11 @@ def plan_quantize(dev, fmt, *, N: int, K: int) -> QuantPlan:
     groups = N * K // 64
     if f.name in ("int4", "int4_f16"):
         items = -(-groups // 2) if f.name == "int4_f16" else groups     # f16: a pair of groups each
-        k = build_kernel(dev, "quant_pack_int4.comp", f"quantize_{f.name}",
-                         {"INT4_F16": f.defines["INT4_F16"]}, 3, QUANT_PUSH, (64, 1, 1))
+        k = QUANTIZERS[f.name][0].build(dev, 3, QUANT_PUSH)
         return QuantPlan(name=f"quantize_{f.name}", kernel=k, groups=grid_for(dev, items),
                          push=push, fmt=f.name, N=N, K=K)
     if f.name == "nf4":
-        k1 = build_kernel(dev, "quant_pack_nf4.comp", "quantize_nf4_blocks", {"PASS": 1}, 5,
-                          QUANT_PUSH, (64, 1, 1))
-        k2 = build_kernel(dev, "quant_pack_nf4.comp", "quantize_nf4_scales", {"PASS": 2}, 5,
-                          QUANT_PUSH, (8, 1, 1))
+        k1, k2 = (v.build(dev, 5, QUANT_PUSH) for v in QUANTIZERS["nf4"])
         return QuantPlan(name="quantize_nf4", kernel=k1, groups=grid_for(dev, groups), push=push,
                          fmt="nf4", N=N, K=K, kernel2=k2,
                          groups2=grid_for(dev, -(-groups // NF4_GROUP), 8),
@@ -215,31 +218,15 @@ def record_quantize(rec, plan: QuantPlan, W, *qbuffers, scratch=None):
 
 
 
-def builtin_variants(dev) -> list[str]:
-    """Compile (to SPIR-V, no pipelines) every quantized-weight kernel this device can pick, for
-    bundles."""
-    jobs = []
+@variant_family("quantized weights")
+def quant_variants(dev) -> list[KernelVariant]:
+    """Every quantized-weight kernel this device can pick: qmatmul in both forms, the few-row
+    kernel, dequantize and gather per format, the device quantizers."""
+    out = []
     for f in FORMATS.values():
         for form in ("nt", "nn"):
-            variants = []
-            for _ in each_gpu_block(dev):
-                variants += [qmatmul_variant(dev, f, form, v, 1, 1)
-                             for v in ["gpu"] + fp16_variants(dev)
-                             if v != "coop"]
-            variants += [qmatmul_variant(dev, f, form, v, 1, 1) for v in fp16_variants(dev)
-                         if v == "coop"]
-            variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv) for vec in lvp_widths(dev)
-                         for sv in (4, 1)]
-            variants += [qmatmul_variant(dev, f, form, "lvp", vec, sv, True) for vec in (4, 1)
-                         for sv in (4, 1)]
-            jobs += [("qmatmul.comp", name, d) for name, d, _, _, _ in variants]
-        jobs += [("qmatvec.comp", *qmatvec_variant(f, texel)) for texel in (False, True)]
-        jobs.append(("quant_dequant.comp", f"dequant_{f.name}", f.defines))
-    jobs += [("quant_pack_int4.comp", "quantize_int4", {"INT4_F16": 0}),
-             ("quant_pack_int4.comp", "quantize_int4_f16", {"INT4_F16": 1}),
-             ("quant_pack_nf4.comp", "quantize_nf4_blocks", {"PASS": 1}),
-             ("quant_pack_nf4.comp", "quantize_nf4_scales", {"PASS": 2})]
-    jobs += [("quant_gather.comp", f"qgather_{f.name}", f.defines) for f in FORMATS.values()]
-    for source, name, defines in jobs:
-        compile_glsl(name, kernel_source(source), defines, coopmat="VARIANT_COOP" in defines)
-    return [name for _, name, _ in jobs]
+            out += tiled_variants(dev, lambda var, vec, sv, texel: qmatmul_variant(
+                dev, f, form, var, vec, sv, texel))
+        out += [qmatvec_variant(f, texel) for texel in (False, True)]
+        out += [dequant_variant(f), gather_variant(f)]
+    return out + [v for vs in QUANTIZERS.values() for v in vs]
