@@ -106,6 +106,28 @@ def test_matmul_many_tiles(dev, form):
     assert_close(got, ref, mag, 136, p.name)
 
 
+def test_lvp_tiles_folded_past_the_workgroup_limit(dev):
+    # the CPU kernel numbers its tiles row by row over a grid folded into y once x is full: a
+    # 1 x 4 tile on 1024 x 4100 is 1,049,600 tiles, 131,200 workgroups of 8 (x stops at 65,535)
+    M, N, K = 1024, 4100, 8
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N)).astype(np.float32)
+    p = plan_matmul(dev, M=M, N=N, K=K, variant="lvp", tile=(1, 4))
+    assert p.groups[1] > 1 and p.groups[0] <= dev.limits.max_workgroup_count[0]
+    A, B, C = Buffer(dev, a.nbytes), Buffer(dev, b.nbytes), Buffer(dev, 4 * (M * N + 64))
+    A.write(a)
+    B.write(b)
+    C.write(np.full(M * N + 64, SENTINEL, np.float32))
+    rec = Recording(dev, 1)
+    record_matmul(rec, p, C, A, B)
+    rec.submit_wait()
+    rec.release()
+    out = C.read(np.float32, M * N + 64)
+    assert np.all(out[M * N:] == SENTINEL), "stores past the end of C"
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    assert_close(out[:M * N].reshape(M, N), ref, np.abs(a).astype(np.float64) @ np.abs(b), K, p.name)
+
+
 @pytest.mark.parametrize("variant", ["lvp", "gpu"])
 def test_matmul_tt(dev, variant):
     # both operands transposed: not a training form, but the kernels take any TA/TB pair

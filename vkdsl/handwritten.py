@@ -15,10 +15,10 @@ from typing import Callable
 from .compiler import compile_glsl, kernel_source
 from .runtime import get_kernel
 
-# lavapipe tile: 16 rows x 32 columns per invocation, 8 invocations (one SIMD program) along the
-# columns. Measured at 1024^3 on 2 cores with this loop structure (best of 3): 16x32 and 32x16
-# ~43 GFLOP/s, 8x16 ~30, 32x32 ~25 (accumulators spill). Columns fastest in the grid: rows fastest
-# measured half the speed.
+# lavapipe tile: 16 rows x 32 columns per invocation, 8 invocations (one SIMD program) a workgroup.
+# Measured at 1024^3 on 2 cores with this loop structure (best of 3): 16x32 and 32x16 ~43 GFLOP/s,
+# 8x16 ~30, 32x32 ~25 (accumulators spill). llvmpipe vectorizes a workgroup along x only: (4, 2, 1)
+# ran at 0.6x and (2, 4, 1) at 0.35x of (8, 1, 1) on the same tiles.
 LVP_TILE = dict(TM=16, TN=32, LOCAL=(8, 1, 1))
 DEFAULT_TILE = (LVP_TILE["TM"], LVP_TILE["TN"])
 
@@ -26,9 +26,11 @@ DEFAULT_TILE = (LVP_TILE["TM"], LVP_TILE["TN"])
 @dataclass(frozen=True, eq=False)
 class KernelVariant:
     """One form of a hand-written kernel: its source and name, the defines it is compiled with, its
-    workgroup size, the block of the output one workgroup covers (tiled products), the bindings
-    read as texel buffers (binding -> format) and whether it needs cooperative matrices. A planner
-    picks one and builds it on the device; bundles compile every one a family registers."""
+    workgroup size, the block of the output one workgroup covers (tiled products; with linear, the
+    block one invocation covers, blocks numbered row by row over the grid: matmul_tile.glsl's
+    tile_origin), the bindings read as texel buffers (binding -> format) and whether it needs
+    cooperative matrices. A planner picks one and builds it on the device; bundles compile every
+    one a family registers."""
     source: str
     name: str
     defines: dict
@@ -37,6 +39,7 @@ class KernelVariant:
     cols: int = 1
     texels: dict = field(default_factory=dict)
     coopmat: bool = False
+    linear: bool = False
 
     def build(self, dev, n_buffers: int, push: "PushLayout | int"):
         return build_kernel(dev, self.source, self.name, self.defines, n_buffers, push, self.local,
@@ -44,11 +47,15 @@ class KernelVariant:
 
     def grid(self, dev, rows: int, cols: int, batch: int = 1, what: str = "") -> tuple:
         """Workgroups of a tiled product writing batch x rows x cols, one block of self.rows x
-        self.cols each (none when nothing is written: the runtime skips the dispatch), checked
-        against the device's workgroup-count limit."""
+        self.cols each (linear: one block an invocation, folded over x and y), none when nothing
+        is written (the runtime skips the dispatch), checked against the device's limit."""
         if min(rows, cols, batch) <= 0:
             return (0, 0, 0)
-        groups = (-(-cols // self.cols), -(-rows // self.rows), batch)
+        if self.linear:
+            tiles = -(-rows // self.rows) * -(-cols // self.cols)
+            groups = fold_grid(dev, -(-tiles // self.local[0]))[:2] + (batch,)
+        else:
+            groups = (-(-cols // self.cols), -(-rows // self.rows), batch)
         limit = tuple(dev.limits.max_workgroup_count)
         if any(g > lim for g, lim in zip(groups, limit)):
             raise ValueError(f"{what or f'{self.name} {rows}x{cols}'} batch {batch}: {groups} "
@@ -83,14 +90,14 @@ def builtin_variants(dev) -> list[str]:
 def lvp_variant(source: str, prefix: str, base: dict, vec: int, sv: int,
                 tile: tuple = DEFAULT_TILE, texels: dict | None = None) -> KernelVariant:
     """A register-tiled CPU-driver product (matmul_lvp.glsl, qmatmul_lvp.glsl): VEC-wide loads,
-    SV-wide stores, a (rows, columns) tile per invocation, its operands read as texel buffers
-    where texels names them. Named {prefix}_lvp_{t|v}{VEC}s{SV}[_{TM}x{TN}]."""
+    SV-wide stores, a (rows, columns) tile per invocation, tiles numbered linearly, its operands
+    read as texel buffers where texels names them.
+    Named {prefix}_lvp_{t|v}{VEC}s{SV}[_{TM}x{TN}]."""
     tm, tn = tile
     d = dict(base, VEC=vec, SV=sv, TM=tm, TN=tn, **({"TEXEL": 1} if texels else {}))
-    lx, ly, _ = LVP_TILE["LOCAL"]
     name = (f"{prefix}_lvp_{'t' if texels else 'v'}{vec}s{sv}"
             + (f"_{tm}x{tn}" if tuple(tile) != DEFAULT_TILE else ""))
-    return KernelVariant(source, name, d, LVP_TILE["LOCAL"], ly * tm, lx * tn, texels or {})
+    return KernelVariant(source, name, d, LVP_TILE["LOCAL"], tm, tn, texels or {}, linear=True)
 
 
 def default_variant(dev) -> str:

@@ -14,6 +14,20 @@ layout(std430, binding = 0) writeonly buffer CBuf { vec4 c_data[]; };
 layout(std430, binding = 0) writeonly buffer CBuf { float c_data[]; };
 #endif
 
+// The tile this invocation computes, at C[row0.., col0..]: tiles are numbered row by row over the
+// whole of C, one per invocation in the order of the (x, then folded y) grid, so only the last
+// workgroup has idle lanes. lavapipe runs a workgroup's x invocations as its SIMD lanes, so a 2-D
+// grid of 8-invocation rows kept every lane past the last column busy on nothing: a quarter of
+// the work of a 576-column product at TN = 32. Tiles past the end clamp their loads and store
+// nothing.
+void tile_origin(out uint row0, out uint col0) {
+    const uint tiles_n = (pc.N + TN - 1) / TN;
+    const uint t = gl_GlobalInvocationID.x
+                   + gl_GlobalInvocationID.y * gl_NumWorkGroups.x * gl_WorkGroupSize.x;
+    row0 = (t / tiles_n) * TM;
+    col0 = (t % tiles_n) * TN;
+}
+
 // acc[i][j] += sum over kk of a[i][kk] * b[kk][j]: k innermost, so each accumulator takes its KB
 // multiply-adds in a row and stays in a register.
 void tile_fma(inout vec4 acc[TM][TN / 4], float a[TM][KB], vec4 b[KB][TN / 4]) {

@@ -8,8 +8,8 @@
 
 void main() {
     const uint M = pc.M, N = pc.N, K = pc.K;
-    const uint row0 = (gl_WorkGroupID.y * gl_WorkGroupSize.y + gl_LocalInvocationID.y) * TM;
-    const uint col0 = (gl_WorkGroupID.x * gl_WorkGroupSize.x + gl_LocalInvocationID.x) * TN;
+    uint row0, col0;
+    tile_origin(row0, col0);
     const uint a0 = gl_WorkGroupID.z * pc.stride_a;
 
     vec4 acc[TM][TN / 4];
