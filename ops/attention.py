@@ -14,7 +14,6 @@ import struct
 
 from vkdsl import Tensor
 from vkdsl.autograd import grad
-from vkdsl.compiler import compile_glsl, kernel_source
 from vkdsl.custom import CustomOp, custom
 from vkdsl.handwritten import KernelVariant, has_int64, texel_reads, variant_family
 from vkdsl.tensor import ShapeError

@@ -19,7 +19,7 @@ import numpy as np
 import vkdsl
 from vkdsl import Tensor
 from vkdsl.custom import CustomOp, custom
-from vkdsl.handwritten import PushLayout, build_kernel, grid_for
+from vkdsl.handwritten import KernelVariant, PushLayout, grid_for
 from vkdsl.tensor import ShapeError
 
 MAX_CHUNK = 64                    # the longest column kernels/tri_inverse.comp keeps per invocation
@@ -34,8 +34,8 @@ class TriInverse(CustomOp):
         self.name = "tri_inverse"
 
     def record(self, rec, out, srcs):
-        k = build_kernel(rec.device, "tri_inverse.comp", self.name, {"N": MAX_CHUNK}, 2, PUSH,
-                         (64, 1, 1))
+        k = KernelVariant("tri_inverse.comp", self.name, {"N": MAX_CHUNK}, (64, 1, 1)).build(
+            rec.device, 2, PUSH)
         rec.dispatch(k, [out, srcs[0]], grid_for(rec.device, self.mats * self.n),
                      PUSH.pack(self.mats, self.n))
 

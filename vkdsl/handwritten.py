@@ -42,8 +42,21 @@ class KernelVariant:
     linear: bool = False
 
     def build(self, dev, n_buffers: int, push: "PushLayout | int"):
-        return build_kernel(dev, self.source, self.name, self.defines, n_buffers, push, self.local,
-                            coopmat=self.coopmat, texels=self.texels)
+        """Its pipeline on this device, built once (the device's own table: a closed device takes
+        its pipelines along)."""
+        push_size = push if isinstance(push, int) else push.size
+        texels = tuple(sorted(self.texels.items()))
+        key = ("variant", self.source, self.name, tuple(sorted(self.defines.items())),
+               tuple(self.local), push_size, n_buffers, texels)
+        if key not in dev.kernels:
+            dev.kernels[key] = get_kernel(dev, self.name, self.spirv(), n_buffers=n_buffers,
+                                          push_size=push_size, local_size=tuple(self.local),
+                                          texels=texels)
+        return dev.kernels[key]
+
+    def spirv(self) -> bytes:
+        return compile_glsl(self.name, kernel_source(self.source), self.defines,
+                            coopmat=self.coopmat)
 
     def grid(self, dev, rows: int, cols: int, batch: int = 1, what: str = "") -> tuple:
         """Workgroups of a tiled product writing batch x rows x cols, one block of self.rows x
@@ -62,10 +75,6 @@ class KernelVariant:
                              f"workgroups exceed the device limit {limit}")
         return groups
 
-    def compile(self) -> str:
-        """Its SPIR-V only (no pipeline): what a bundle records."""
-        compile_glsl(self.name, kernel_source(self.source), self.defines, coopmat=self.coopmat)
-        return self.name
 
 
 FAMILIES: dict[str, Callable] = {}
@@ -84,7 +93,10 @@ def builtin_variants(dev) -> list[str]:
     """Compile (to SPIR-V, no pipelines) every registered family's variants for this device: what
     bundles hold besides the kernels their jobs record. Families register on import (the matmul
     here; vkdsl.ops its own)."""
-    return [v.compile() for family in FAMILIES.values() for v in family(dev)]
+    variants = [v for family in FAMILIES.values() for v in family(dev)]
+    for v in variants:
+        v.spirv()
+    return [v.name for v in variants]
 
 
 def lvp_variant(source: str, prefix: str, base: dict, vec: int, sv: int,
@@ -247,19 +259,3 @@ def fold_grid(dev, n_groups: int) -> tuple:
 def grid_for(dev, items: int, local: int = 64) -> tuple:
     """Workgroups covering `items` invocations of a 1-d kernel with `local` invocations each."""
     return fold_grid(dev, -(-items // local))
-
-
-def build_kernel(dev, source: str, name: str, defines: dict, n_buffers: int, push: PushLayout | int,
-                 local, coopmat: bool = False, texels: dict | None = None) -> object:
-    """A hand-written kernel variant (a .comp file + defines), compiled and built once per device
-    (coopmat: it needs a compiler with GL_KHR_cooperative_matrix; texels: binding -> format of the
-    bindings read as uniform texel buffers)."""
-    push_size = push if isinstance(push, int) else push.size
-    texels = tuple(sorted((texels or {}).items()))
-    key = ("variant", source, name, tuple(sorted(defines.items())), tuple(local), push_size,
-           n_buffers, texels)
-    if key not in dev.kernels:  # the device's own pipeline table: a closed device takes them along
-        spirv = compile_glsl(name, kernel_source(source), defines, coopmat=coopmat)
-        dev.kernels[key] = get_kernel(dev, name, spirv, n_buffers=n_buffers, push_size=push_size,
-                                      local_size=tuple(local), texels=texels)
-    return dev.kernels[key]

@@ -70,10 +70,11 @@ def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, 
                            cols, batch, "qmatmul")
     if variant != "lvp":
         raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
-    texels = {1: "rgba32f" if vec == 4 else "r32f", **weight_texels(f)} if texel else None
-    return lvp_variant("qmatmul.comp", prefix, dict(f.defines, TB=tb, **({"QTEXEL": 1} if texel
-                                                                        else {})),
-                       vec, sv, tile, texels)
+    if not texel:
+        return lvp_variant("qmatmul.comp", prefix, dict(f.defines, TB=tb), vec, sv, tile)
+    texels = {1: "rgba32f" if vec == 4 else "r32f", **weight_texels(f)}
+    return lvp_variant("qmatmul.comp", prefix, dict(f.defines, TB=tb, QTEXEL=1), vec, sv, tile,
+                       texels)
 
 
 def qmatvec_variant(f: Format, texel: bool) -> KernelVariant:
