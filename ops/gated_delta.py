@@ -19,11 +19,18 @@ import numpy as np
 import vkdsl
 from vkdsl import Tensor
 from vkdsl.custom import CustomOp, custom
-from vkdsl.handwritten import KernelVariant, PushLayout, grid_for
+from vkdsl.handwritten import KernelVariant, PushLayout, grid_for, variant_family
 from vkdsl.tensor import ShapeError
 
 MAX_CHUNK = 64                    # the longest column kernels/tri_inverse.comp keeps per invocation
 PUSH = PushLayout("<II", "tri_inverse.comp")
+VARIANT = KernelVariant("tri_inverse.comp", "tri_inverse", {"N": MAX_CHUNK}, (64, 1, 1))
+
+
+@variant_family("delta rule")
+def delta_rule_variants(dev) -> list[KernelVariant]:
+    """The delta rule's one hand-written kernel (the chunk's triangular solve)."""
+    return [VARIANT]
 
 
 class TriInverse(CustomOp):
@@ -34,8 +41,7 @@ class TriInverse(CustomOp):
         self.name = "tri_inverse"
 
     def record(self, rec, out, srcs):
-        k = KernelVariant("tri_inverse.comp", self.name, {"N": MAX_CHUNK}, (64, 1, 1)).build(
-            rec.device, 2, PUSH)
+        k = VARIANT.build(rec.device, 2, PUSH)
         rec.dispatch(k, [out, srcs[0]], grid_for(rec.device, self.mats * self.n),
                      PUSH.pack(self.mats, self.n))
 
@@ -104,7 +110,6 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk: int
     the sequence the chunk ends in."""
     _check(q, k, v, g, beta, state)
     B, T, H, dk = k.shape
-    dv = v.shape[-1]
     if segments is not None and (state is not None or segments.shape != (B, T)):
         raise ShapeError(f"gated delta rule: segments {segments.shape} must be (B, T) = {(B, T)}, "
                          f"and packed sequences start from no state")

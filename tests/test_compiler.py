@@ -164,7 +164,7 @@ def test_planners_pick_what_their_family_registers(dev):
     from vkdsl.matmul import plan_matmul
     from vkdsl.ops import quant as Q
     names = {v.name for family in handwritten.FAMILIES.values() for v in family(dev)}
-    assert {"matmul", "quantized weights", "attention"} <= set(handwritten.FAMILIES)
+    assert {"matmul", "quantized weights", "attention", "delta rule"} <= set(handwritten.FAMILIES)
     tile = handwritten.DEFAULT_TILE
     picked = [plan_matmul(dev, M=m, N=n, K=k, ta=ta, tb=tb, tile=tile).name
               for m, n, k in ((64, 96, 128), (5, 7, 3), (256, 576, 1536))
