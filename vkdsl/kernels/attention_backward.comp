@@ -23,6 +23,7 @@ layout(std430, binding = 0) writeonly buffer Out_ { vec2 stats_out[]; };  // (B,
 layout(std430, binding = 0) writeonly buffer Out_ { vec4 out4[]; };
 #endif
 #define MB 7
+#define JB 2                                        // keys a step of pass 1
 #define SB 5                                        // (lse, delta): passes 1, 2
 #include "attention_io.glsl"
 F_BUFFER(1, q_in)
@@ -87,24 +88,43 @@ void main() {
         lse[t] = STATS(item + t).x;
         delta[t] = STATS(item + t).y;
     }
-    for (uint j = first; j < last; j++) {
-        const uint kb = ((b * ap.Tk + j) * ap.Hkv + kvh) * D8;
-        const float add = ap.has_mask == 1u ? MASK((b * ap.Tq + ic) * ap.Tk + j) : 0.0;
-        if (j > mine || j < lo || add == NEG_INF) continue;
-        vec4 kj[D4], vj[D4];
-        [[unroll]] for (int d = 0; d < D8; d++) {
-            LOAD8(k_in, kb + d, kj[2 * d], kj[2 * d + 1]);
-            LOAD8(v_in, kb + d, vj[2 * d], vj[2 * d + 1]);
+    // JB keys a step: each pass over q, dO and dq (more than the registers hold on a CPU driver)
+    // serves JB keys (1.6x on lavapipe at JB 2; 4 spills more). A key this query may not see gets
+    // ds = 0 instead of a branch; dq still takes the keys one at a time, in order, so the sums are
+    // bit for bit those of one key a step.
+    for (uint j = first; j < last; j += JB) {
+        vec4 kj[JB][D4], vj[JB][D4];
+        float add[JB];
+        bool seen[JB];
+        [[unroll]] for (int c = 0; c < JB; c++) {
+            const uint jc = min(j + c, last - 1u);
+            const uint kb = ((b * ap.Tk + jc) * ap.Hkv + kvh) * D8;
+            add[c] = ap.has_mask == 1u ? MASK((b * ap.Tq + ic) * ap.Tk + jc) : 0.0;
+            seen[c] = j + c < last && jc <= mine && jc >= lo && add[c] != NEG_INF;
+            [[unroll]] for (int d = 0; d < D8; d++) {
+                LOAD8(k_in, kb + d, kj[c][2 * d], kj[c][2 * d + 1]);
+                LOAD8(v_in, kb + d, vj[c][2 * d], vj[c][2 * d + 1]);
+            }
         }
         [[unroll]] for (int t = 0; t < G; t++) {
-            vec4 sa = vec4(0.0), pa = vec4(0.0);
-            [[unroll]] for (int d = 0; d < D4; d++) {
-                sa += q[t][d] * kj[d];
-                pa += g[t][d] * vj[d];
+            vec4 sa[JB], pa[JB];
+            float ds[JB];
+            [[unroll]] for (int c = 0; c < JB; c++) {
+                sa[c] = vec4(0.0);
+                pa[c] = vec4(0.0);
             }
-            const float p = exp(hsum(sa) + add - lse[t]);
-            const float ds = p * (hsum(pa) - delta[t]);
-            [[unroll]] for (int d = 0; d < D4; d++) dq[t][d] += ds * kj[d];
+            [[unroll]] for (int d = 0; d < D4; d++) {
+                [[unroll]] for (int c = 0; c < JB; c++) {
+                    sa[c] += q[t][d] * kj[c][d];
+                    pa[c] += g[t][d] * vj[c][d];
+                }
+            }
+            [[unroll]] for (int c = 0; c < JB; c++) {
+                const float p = exp(hsum(sa[c]) + add[c] - lse[t]);
+                ds[c] = seen[c] ? p * (hsum(pa[c]) - delta[t]) : 0.0;
+            }
+            [[unroll]] for (int d = 0; d < D4; d++)
+                [[unroll]] for (int c = 0; c < JB; c++) dq[t][d] += ds[c] * kj[c][d];
         }
     }
     if (live) {
