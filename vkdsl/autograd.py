@@ -40,13 +40,16 @@ def _matmul_grads(out, g, a, b):
     A = a.transpose(-1, -2) if ta else a          # the logical operands of out = A @ B
     B = b.transpose(-1, -2) if tb else b
     ga = gb = None
+    # A source stored transposed gets its gradient in its own layout ((g B^T)^T = B g^T), not as a
+    # transposed view: what consumes it (the sum of a tensor's gradients) then reads it contiguous.
+    # The same products summed in the same order, so the same bits.
     with matmul_precision(out.arg.precision):     # gradients at the forward's precision
         if a.requires_grad:
-            dA = _batch_sum(g @ B.transpose(-1, -2), A)
-            ga = dA.transpose(-1, -2) if ta else dA
+            ga = (_batch_sum(B @ g.transpose(-1, -2), a) if ta
+                  else _batch_sum(g @ B.transpose(-1, -2), A))
         if b.requires_grad:
-            dB = _batch_sum(A.transpose(-1, -2) @ g, B)
-            gb = dB.transpose(-1, -2) if tb else dB
+            gb = (_batch_sum(g.transpose(-1, -2) @ A, b) if tb
+                  else _batch_sum(A.transpose(-1, -2) @ g, B))
     return ga, gb
 
 
