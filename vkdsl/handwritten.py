@@ -66,7 +66,7 @@ class KernelVariant:
             return (0, 0, 0)
         if self.linear:
             tiles = -(-rows // self.rows) * -(-cols // self.cols)
-            groups = fold_grid(dev, -(-tiles // self.local[0]))[:2] + (batch,)
+            groups = grid_for(dev, tiles, self.local[0])[:2] + (batch,)
         else:
             groups = (-(-cols // self.cols), -(-rows // self.rows), batch)
         limit = tuple(dev.limits.max_workgroup_count)
@@ -74,7 +74,6 @@ class KernelVariant:
             raise ValueError(f"{what or f'{self.name} {rows}x{cols}'} batch {batch}: {groups} "
                              f"workgroups exceed the device limit {limit}")
         return groups
-
 
 
 FAMILIES: dict[str, Callable] = {}
