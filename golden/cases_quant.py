@@ -80,4 +80,15 @@ def quant_cases():
         out.append(Case(f"qgather[{fmt},{rows}x{cols},n={len(ids)}]", "qgather",
                         {"fmt": fmt, "shape": [rows, cols]},
                         lambda r, f=fn, n=rows * cols // 32, i=ids: [f(r, n).ravel(), I32(i)]))
+    # LoRA on a packed weight (the adapter's term fused into the product, forward and input
+    # gradient): x (M, K), W's bytes (N, K), A (K, r), B (r, N); ragged tiles, ranks 4 to 12
+    for fmt, fn, (m, n, k, rank), s in [("q8_0", _q8_0, (37, 96, 64, 8), 2.0),
+                                        ("q4_0", _q4_0, (9, 44, 128, 4), 0.5),
+                                        ("q4_k", _kquant(144, (0,)), (33, 64, 256, 12), 2.0)]:
+        out.append(Case(f"qlora_linear[{fmt},{m}x{n}x{k},r={rank}]", "qlora_linear",
+                        {"fmt": fmt, "shape": [n, k], "s": s},
+                        lambda r, f=fn, m=m, n=n, k=k, q=rank,
+                        nb=n * k // (256 if fmt == "q4_k" else 32): [
+                            N(r, (m, k)), f(r, nb).ravel(), N(r, (k, q), 0.1),
+                            N(r, (q, n), 0.1)], (m, n)))
     return out

@@ -64,6 +64,14 @@ def _lora_linear(ins, p, g):
     return {"out": T.lora_linear(*ins, p["s"]), **_grads(*T.lora_linear_backward(*ins, p["s"], g))}
 
 
+def _qlora_linear(ins, p, g):
+    """A LoRA layer on a GGUF weight W (N, K): x W^T + s (x A) B; W is frozen (no gradient)."""
+    x, raw, a, b = ins
+    wt = Q.gguf_weight(raw, p["fmt"], p["shape"]).T
+    dx, _, da, db = T.lora_linear_backward(x, wt, a, b, p["s"], g)
+    return {"out": T.lora_linear(x, wt, a, b, p["s"]), **_grads(dx, None, da, db)}
+
+
 def _rmsnorm(ins, p, g):
     return {"out": T.rmsnorm(*ins, p["eps"]), **_grads(*T.rmsnorm_backward(*ins, p["eps"], g))}
 
@@ -134,7 +142,8 @@ def _dequant(fn):
 
 
 PHASE2: dict[str, Callable] = {
-    "cross_entropy": _cross_entropy, "lora_linear": _lora_linear, "rmsnorm": _rmsnorm,
+    "cross_entropy": _cross_entropy, "lora_linear": _lora_linear, "qlora_linear": _qlora_linear,
+    "rmsnorm": _rmsnorm,
     "rope": _rope, "silu": _silu, "swiglu": _swiglu, "attention": _attention,
     "gated_delta": _gated_delta, "tri_inverse": _tri_inverse,
     "kl": _kl, "tmkl": _tmkl, "dpo": _dpo, "adamw": _adamw, "clip_grad_norm": _clip,
@@ -150,7 +159,8 @@ PHASE2: dict[str, Callable] = {
 
 # ops whose cases carry an upstream gradient "gout" (same shape as "out"), and the inputs each
 # one's gradients are of (evaluate checks that it returns exactly those)
-GRAD_INPUTS = {"cross_entropy": (0,), "lora_linear": (0, 1, 2, 3), "rmsnorm": (0, 1), "rope": (0,),
+GRAD_INPUTS = {"cross_entropy": (0,), "lora_linear": (0, 1, 2, 3), "qlora_linear": (0, 2, 3),
+               "rmsnorm": (0, 1), "rope": (0,),
                "silu": (0,), "swiglu": (0, 1), "attention": (0, 1, 2),
                "gated_delta": (0, 1, 2, 3, 4), "tri_inverse": (0,), "kl": (0, 1), "tmkl": (0, 1),
                "dpo": (0, 1, 2, 3)}

@@ -15,7 +15,7 @@ __all__ = ["int4_quantize", "int4_dequantize", "int4_roundtrip",
            "NF4_CODEBOOK", "nf4_quantize", "nf4_dequantize", "nf4_roundtrip",
            "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1",
            "dequant_f16", "dequant_q4_k", "dequant_q5_k", "dequant_q6_k", "qmatmul_f16in",
-           "qgather"]
+           "qgather", "gguf_weight"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,6 +269,13 @@ def dequant_q6_k(raw, shape) -> np.ndarray:
     q = (((ql[:, 64 * h + u % 64] >> (4 * (u // 64))) & 15)
          | (((qh[:, 32 * h + u % 32] >> (2 * (u // 32))) & 3) << 4))
     return (d[:, None] * sc[:, t // 16] * (q - 32)).reshape(shape)
+
+
+def gguf_weight(raw, fmt: str, shape) -> np.ndarray:
+    """The float64 weight of GGUF bytes in one of the formats the cases draw."""
+    deq = {"q8_0": dequant_q8_0, "q4_0": dequant_q4_0, "q4_1": dequant_q4_1,
+           "q4_k": dequant_q4_k, "q6_k": dequant_q6_k}[fmt]
+    return deq(raw, tuple(shape))
 
 
 def qmatmul_f16in(x, raw, fmt: str, shape, form: str) -> np.ndarray:

@@ -144,11 +144,9 @@ class Llama:
 
     # ---- forward ----
     def _lin(self, name, x, adapters_on):
-        y = self.linear[name](x)
-        if name in self.bias:
-            y = y + self.bias[name]
-        lo = self.lora.get(name)
-        return y + lo.delta(x) if (lo is not None and adapters_on) else y
+        """x W^T, its adapter's term (fused into a packed weight's product) and its bias."""
+        y = self.linear[name](x, self.lora.get(name) if adapters_on else None)
+        return y + self.bias[name] if name in self.bias else y
 
     def _adapter_tensors(self, layers, adapters_on):
         """The LoRA A and B tensors of those layers (what a checkpointed group's backward

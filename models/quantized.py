@@ -48,14 +48,16 @@ class Packed:
         self.fmt, self.shape, self.name = qw.fmt, tuple(rec.shape), rec.name
         self.arrays = quant.packed_arrays(qw, rec.name)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x (..., K) @ W^T."""
+    def __call__(self, x: Tensor, lora=None) -> Tensor:
+        """x (..., K) @ W^T, plus a LoRA adapter's term (ops.lora.LoRA) fused into the product."""
         N, K = self.shape
         if x.shape[-1] != K:
             raise ValueError(f"{self.name}: input of width {x.shape[-1]}, expected {K}")
         lead = x.shape[:-1]
-        return quant.qlinear(x.reshape(math.prod(lead), K), self.arrays, self.fmt,
-                             self.shape).reshape(*lead, N)
+        x = x.reshape(math.prod(lead), K)
+        y = (quant.qlinear(x, self.arrays, self.fmt, self.shape) if lora is None else
+             quant.qlora_linear(x, self.arrays, self.fmt, self.shape, lora.A, lora.B, lora.scale))
+        return y.reshape(*lead, N)
 
     def rows(self, ids: Tensor, base: int = 0, total: int | None = None) -> Tensor:
         return quant.qgather(ids, self.arrays, self.fmt, self.shape, base, total)

@@ -20,8 +20,9 @@ class Dense:
         self.W = vkdsl.tensor(np.ascontiguousarray(w, np.float32), name=name)
         self.shape = w.shape
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return x @ self.W.T               # a transposed operand is a flag, not a copy
+    def __call__(self, x: Tensor, lora=None) -> Tensor:
+        y = x @ self.W.T                  # a transposed operand is a flag, not a copy
+        return y if lora is None else y + lora.delta(x)
 
     def rows(self, ids: Tensor, base: int = 0, total: int | None = None) -> Tensor:
         return self.W.gather(ids, base, total)
@@ -56,14 +57,14 @@ class RowSplit:
     def __init__(self, parts: list, starts: list[int], shape, name: str = ""):
         self.parts, self.starts, self.shape, self.name = parts, starts, tuple(shape), name
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, lora=None) -> Tensor:
         N = self.shape[0]
         out = None
         for p, r0 in zip(self.parts, self.starts):
             y = p(x)
             y = y.pad(((0, 0),) * (y.ndim - 1) + ((r0, N - r0 - p.shape[0]),))
             out = y if out is None else out + y
-        return out
+        return out if lora is None else out + lora.delta(x)
 
     def rows(self, ids: Tensor) -> Tensor:
         out = None

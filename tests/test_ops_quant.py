@@ -133,6 +133,57 @@ def test_qmatmul_graph_node_forward_and_input_gradient(fmt):
         assert np.all(np.abs(got - ref) <= 2 * gamma * mag + 1e-30), f"{fmt}: {np.abs(got - ref).max():.3g}"
 
 
+def _custom_names(t, seen=None):
+    """Names of the custom ops a traced output depends on."""
+    seen = set() if seen is None else seen
+    if id(t) in seen:
+        return []
+    seen.add(id(t))
+    own = [t.arg.name] if t.op == "custom" else []
+    return own + [n for s in t.src for n in _custom_names(s, seen)]
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "nf4"])
+@pytest.mark.parametrize("M, rank, fused", [(19, 8, True), (3, 8, False), (19, 6, False)])
+def test_lora_on_a_packed_weight(fmt, M, rank, fused):
+    """A packed weight called with its adapter (the model's layers): the LoRA term fused into the
+    product where the kernel takes it (more than 4 rows, rank % 4 == 0), else added as its own
+    products, with the same forward and the same gradients of x, A and B either way. Reference:
+    float64 numpy on the dequantized weight; bounds as above, over the sums of each result."""
+    from vkdsl.ops.lora import LoRA
+    N, K, s = 96, 128, 2.0
+    rec, mode = record_of(fmt, N, K, seed=7)
+    W = Packed(rec, mode)
+    if mode == "keep":
+        wd = rec.dequantize()
+    else:
+        qw = Q.quantize_nf4(rec.dequantize())
+        wd = decode(qw.fmt, qw.arrays, qw.shape)
+    rng = np.random.default_rng(8)
+    x, g = (rng.standard_normal(sh).astype(np.float32) for sh in ((M, K), (M, N)))
+    a, b = (rng.standard_normal(sh).astype(np.float32) * 0.1 for sh in ((K, rank), (rank, N)))
+    xt, At, Bt = (vkdsl.tensor(v, requires_grad=True) for v in (x, a, b))
+
+    @vkdsl.trace
+    def step(gi):
+        y = W(xt, LoRA(At, Bt, s))
+        return [y, *grad(y, [xt, At, Bt], upstream=gi)]
+
+    y, dx, da, db = step(g)
+    names = _custom_names(W(xt, LoRA(At, Bt, s)))
+    assert any(n.endswith("_lora") for n in names) == fused, names
+    w, x, a, b, g = (v.astype(np.float64) for v in (wd, x, a, b, g))
+    gb = g @ b.T
+    rows = [(y, x @ w.T + s * (x @ a) @ b, abs(x) @ abs(w.T) + s * (abs(x) @ abs(a)) @ abs(b), K),
+            (dx, g @ w + s * gb @ a.T, abs(g) @ abs(w) + s * (abs(g) @ abs(b.T)) @ abs(a.T), N),
+            (da, s * x.T @ gb, s * abs(x.T) @ (abs(g) @ abs(b.T)), M + N),
+            (db, s * (x @ a).T @ g, s * (abs(x) @ abs(a)).T @ abs(g), K + M)]
+    for i, (got, ref, mag, n) in enumerate(rows):
+        gamma = (n + rank) * U32 / (1 - (n + rank) * U32)
+        err = np.abs(np.asarray(got) - ref)
+        assert np.all(err <= 2 * gamma * mag + 1e-30), f"result {i}: {err.max():.3g}"
+
+
 def test_group_size_that_does_not_divide_the_row_is_refused():
     w = np.ones((4, 100), np.float32)
     for fn in (Q.quantize_int4, Q.quantize_nf4):

@@ -129,6 +129,49 @@ def check_qmatmul(dev, p, qw, w, x, form):
     assert np.all(np.abs(got - ref) <= 2 * gamma * mag + 1e-30), f"{p.name}: {np.abs(got - ref).max():.3g}"
 
 
+@pytest.mark.parametrize("variant", ["lvp", "gpu"])
+@pytest.mark.parametrize("form", ["nt", "nn"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k", "nf4"])
+def test_qmatmul_lora(dev, fmt, form, variant):
+    """The fused LoRA term (matmul_lora.glsl): C = X op(W) + s U L, L = V (nt, rank x N) or V^T
+    (nn, V K x rank), against float64 on the dequantized weight; ragged tiles (M = 17, N = 40),
+    rank 12 (three four-rank steps). Bound: fp32 sums of red + rank terms, doubled as in
+    check_qmatmul, on |X| |op(W)| + s |U| |L|."""
+    N, K, M, rank, s = 40, (256 if fmt in KQUANTS else 128), 17, 12, 0.5
+    qw, w = make_weight(fmt, N, K, seed=5)
+    red, cols = (K, N) if form == "nt" else (N, K)
+    rng = np.random.default_rng(6)
+    x, u = (rng.standard_normal((M, n)).astype(np.float32) for n in (red, rank))
+    v = rng.standard_normal((rank, cols) if form == "nt" else (cols, rank)).astype(np.float32)
+    p = Q.plan_qmatmul(dev, fmt, M=M, N=N, K=K, form=form, variant=variant, lora_rank=rank,
+                       lora_scale=s)
+    assert variant in p.name and "_lora" in p.name
+    bufs = []
+    for a in (x, u, v):
+        bufs.append(Buffer(dev, a.nbytes))
+        bufs[-1].write(a)
+    C = with_sentinel(dev, M * cols)
+    wb = Q.upload_weight(dev, qw)
+    submit(dev, lambda rec: Q.record_qmatmul(rec, p, C, bufs[0], *wb, lora=tuple(bufs[1:])))
+    got = read_checked(C, M * cols, p.name).reshape(M, cols)
+    w64, x64, u64 = w.astype(np.float64), x.astype(np.float64), u.astype(np.float64)
+    op, low = (w64.T, v.astype(np.float64)) if form == "nt" else (w64, v.astype(np.float64).T)
+    ref = x64 @ op + s * (u64 @ low)
+    mag = np.abs(x64) @ np.abs(op) + s * (np.abs(u64) @ np.abs(low))
+    gamma = (red + rank) * U32 / (1 - (red + rank) * U32)
+    assert np.all(np.abs(got - ref) <= 2 * gamma * mag + 1e-30), f"{p.name}: {np.abs(got - ref).max():.3g}"
+
+
+def test_qmatmul_lora_refuses_what_it_cannot_fuse(dev):
+    with pytest.raises(ValueError, match="rank % 4 == 0"):
+        Q.plan_qmatmul(dev, "q8_0", M=17, N=40, K=64, lora_rank=6)
+    with pytest.raises(ValueError, match=r"\(nt\) N % 4 == 0"):
+        Q.plan_qmatmul(dev, "q8_0", M=17, N=42, K=64, lora_rank=8)
+    p = Q.plan_qmatmul(dev, "q8_0", M=17, N=40, K=64, lora_rank=8)
+    with pytest.raises(ValueError, match="takes 2 low-rank buffers, got 0"):
+        Q.record_qmatmul(None, p, *[Buffer(dev, 4 * 17 * 64)] * 2, *[Buffer(dev, 4096)] * 2)
+
+
 @pytest.mark.parametrize("form", ["nt", "nn"])
 def test_qmatmul_batched_x(dev, form):
     # a batch of X against one weight, and a batch that reuses one X (stride 0)

@@ -16,7 +16,7 @@ from vkdsl.verify import fp16_unsupported, register
 
 from .formats import NF4_GROUP, QuantizedWeight, from_gguf, unpack_nibbles
 from .gather import qgather
-from .linear import dequant, packed_arrays, qlinear
+from .linear import dequant, packed_arrays, qlinear, qlora_linear
 from .roundtrip import roundtrip
 
 
@@ -128,3 +128,15 @@ def _qgather(i, p):
 register("qgather", _qgather, 0.0,
          "rows of the table dequantized as they are gathered: the same exact products as "
          "dequant_*; the kernel's output is guarded, so a row written past the ids is a failure")
+
+
+def _qlora(i, p):
+    qw = from_gguf(i[1].numpy().astype(np.uint8), p["fmt"], tuple(p["shape"]))
+    return qlora_linear(i[0], packed_arrays(qw, qw.fmt), qw.fmt, qw.shape, i[2], i[3], p["s"])
+
+
+register("qlora_linear", _qlora, 1e-8,
+         "LoRA on a packed weight, the adapter's term in the quantized product's epilogue: fp32 "
+         "dot products over K + r <= 268 terms (NMSE ~ n eps32^2 ~ 4e-12), the gradients a "
+         "backward of the same depth; a rank component left out of the epilogue is off by "
+         "~1e-4 or more")

@@ -1,6 +1,7 @@
 """Device kernels over packed weights (shapes in push constants, one pipeline per format and form):
 
-    plan_qmatmul / record_qmatmul     C = X . W^T (form 'nt', forward) or C = X . W ('nn', dX)
+    plan_qmatmul / record_qmatmul     C = X . W^T (form 'nt', forward) or C = X . W ('nn', dX),
+                                      with a LoRA layer's low-rank term fused in (lora_rank > 0)
     plan_dequant / record_dequant     W -> fp32
     plan_quantize / record_quantize   fp32 -> int4 / int4_f16 / nf4, on the device
 """
@@ -17,6 +18,7 @@ from vkdsl.matmul import gpu_variant, precision_variant, tiled_variants
 from .formats import FORMATS, NF4_GROUP, Format, array_nbytes, check_shape, get_format
 
 QUANT_PUSH = PushLayout("<2I", "quant_push.glsl")        # QuantPush: N, K
+LORA_PUSH = PushLayout("<6IIf", "matmul_lora.glsl")      # MatmulPush, rank, scale
 MV_ROWS = 4          # up to this many rows of X use the matrix-vector kernel (qmatvec.comp)
 # its workgroup: small, so a 576-column matrix is 9 workgroups for the driver's threads
 MV_LOCAL = 16
@@ -33,6 +35,7 @@ class QuantPlan:
     K: int
     bytes_x: int = 0             # qmatmul: smallest X and C buffers
     bytes_c: int = 0
+    bytes_lora: tuple = ()       # fused LoRA: smallest U and V buffers
     flops: int = 0
     kernel2: object = None       # nf4 quantize: the second pass
     groups2: tuple = ()
@@ -60,21 +63,29 @@ def weight_texels(f: Format) -> dict:
 
 def qmatmul_variant(dev, f: Format, form: str, variant: str, vec: int, sv: int, texel: bool = False,
                     tile: tuple = DEFAULT_TILE, rows: int = 0, cols: int = 0,
-                    batch: int = 1) -> KernelVariant:
+                    batch: int = 1, lora: bool = False) -> KernelVariant:
     """A qmatmul variant; texel (lvp): X and the weight's arrays read as texel buffers; the GPU
-    variants' block follows the output's rows x cols x batch (handwritten.gpu_config)."""
-    tb = int(form == "nt")
-    prefix = f"qmatmul_{form}_{f.name}"
+    variants' block follows the output's rows x cols x batch (handwritten.gpu_config); lora: with
+    the low-rank term (matmul_lora.glsl), its U and V bound after the weight's arrays."""
+    base = dict(f.defines, TB=int(form == "nt"))
+    if lora:
+        base.update(LORA=1, LORA_BIND=2 + len(f.arrays))
+    prefix = f"qmatmul_{form}_{f.name}" + ("_lora" if lora else "")
     if variant in ("gpu", "gpu16", "coop"):
-        return gpu_variant(dev, variant, "qmatmul.comp", prefix, dict(f.defines, TB=tb), rows,
-                           cols, batch, "qmatmul")
+        return gpu_variant(dev, variant, "qmatmul.comp", prefix, base, rows, cols, batch,
+                           "qmatmul")
     if variant != "lvp":
         raise ValueError(f"unknown qmatmul variant {variant!r} (lvp, gpu, gpu16 or coop)")
     if not texel:
-        return lvp_variant("qmatmul.comp", prefix, dict(f.defines, TB=tb), vec, sv, tile)
+        return lvp_variant("qmatmul.comp", prefix, base, vec, sv, tile)
     texels = {1: "rgba32f" if vec == 4 else "r32f", **weight_texels(f)}
-    return lvp_variant("qmatmul.comp", prefix, dict(f.defines, TB=tb, QTEXEL=1), vec, sv, tile,
-                       texels)
+    return lvp_variant("qmatmul.comp", prefix, dict(base, QTEXEL=1), vec, sv, tile, texels)
+
+
+def lora_fits(form: str, rank: int, cols: int, batch: int = 1) -> bool:
+    """Whether the fused low-rank term takes this product: vec4 reads along the rank (and along
+    the output's columns in form nt), one product rather than a batch of them."""
+    return batch == 1 and rank > 0 and rank % 4 == 0 and (form == "nn" or cols % 4 == 0)
 
 
 def qmatvec_variant(f: Format, texel: bool) -> KernelVariant:
@@ -87,9 +98,12 @@ def qmatvec_variant(f: Format, texel: bool) -> KernelVariant:
 
 def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: int = 1,
                  batch_stride_x: int | None = None, variant: str | None = None,
-                 precision: str = "fp32", tile: tuple | None = None) -> QuantPlan:
+                 precision: str = "fp32", tile: tuple | None = None, lora_rank: int = 0,
+                 lora_scale: float = 1.0) -> QuantPlan:
     """Matmul with a quantized N x K weight W (dequantized in the shader):
     form 'nt': C (M x N) = X (M x K) . W^T;   form 'nn': C (M x K) = X (M x N) . W.
+    lora_rank r > 0: plus lora_scale U V (nt, V r x N) or lora_scale U V^T (nn, V K x r), U M x r
+    (matmul_lora.glsl; lora_fits says which shapes take it).
     X is fp32, batched with batch_stride_x elements (None: dense; 0: one X for every batch).
     precision fp16: X and the dequantized W rounded to fp16, fp32 sums (vkdsl.matmul.fp16_choice).
     tile: the lvp kernel's rows x columns per invocation (None: vkdsl.tuning's choice)."""
@@ -101,9 +115,13 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     rows, cols, red = (M, N, K) if form == "nt" else (M, K, N)
     sx = rows * red if batch_stride_x is None else int(batch_stride_x)
     sc = rows * cols
+    if lora_rank and not lora_fits(form, lora_rank, cols, batch):
+        raise ValueError(f"qmatmul {form} {M}x{N}x{K}: a fused rank-{lora_rank} term needs rank "
+                         f"% 4 == 0, one batch, and (nt) N % 4 == 0")
     variant = precision_variant(dev, precision, variant, "qmatmul")
     words = [n // (4 * w) for n, w in zip(array_nbytes(f.name, N, K), f.words)]
-    if form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0:
+    if (form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0
+            and not lora_rank):
         # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
         kv = qmatvec_variant(f, texel_fits(dev, *words))
         return QuantPlan(name=kv.name, kernel=kv.build(dev, 2 + len(f.arrays), MATMUL_PUSH),
@@ -119,12 +137,17 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     elif not qtile_fits(tile, form):
         raise ValueError(f"qmatmul {form} tile {tile} does not fit the kernel")
     kv = qmatmul_variant(dev, f, form, variant, vec, 4 if cols % 4 == 0 else 1, texel, tile, rows,
-                         cols, batch)
-    return QuantPlan(name=kv.name, kernel=kv.build(dev, 2 + len(f.arrays), MATMUL_PUSH),
+                         cols, batch, lora=bool(lora_rank))
+    push = (LORA_PUSH.pack(rows, cols, red, sx, 0, sc, lora_rank, lora_scale) if lora_rank else
+            MATMUL_PUSH.pack(rows, cols, red, sx, 0, sc))
+    return QuantPlan(name=kv.name,
+                     kernel=kv.build(dev, 2 + len(f.arrays) + 2 * bool(lora_rank),
+                                     LORA_PUSH if lora_rank else MATMUL_PUSH),
                      groups=kv.grid(dev, rows, cols, batch, f"qmatmul {form} {M}x{N}x{K}"),
-                     push=MATMUL_PUSH.pack(rows, cols, red, sx, 0, sc), fmt=f.name, N=N, K=K,
+                     push=push, fmt=f.name, N=N, K=K,
                      bytes_x=4 * (last * sx + rows * red), bytes_c=4 * (last * sc + rows * cols),
-                     flops=2 * rows * cols * red * batch)
+                     bytes_lora=(4 * rows * lora_rank, 4 * lora_rank * cols) if lora_rank else (),
+                     flops=2 * rows * cols * (red + lora_rank) * batch)
 
 
 def _check_arrays(plan: QuantPlan, qbuffers):
@@ -138,13 +161,18 @@ def _check_arrays(plan: QuantPlan, qbuffers):
                              f"needs {n}")
 
 
-def record_qmatmul(rec, plan: QuantPlan, C, X, *qbuffers):
+def record_qmatmul(rec, plan: QuantPlan, C, X, *qbuffers, lora: tuple = ()):
+    """lora: the low-rank term's U and V buffers, for a plan made with lora_rank."""
     _check_arrays(plan, qbuffers)
-    for what, buf, need in (("C", C, plan.bytes_c), ("X", X, plan.bytes_x)):
+    if len(lora) != len(plan.bytes_lora):
+        raise ValueError(f"{plan.name}: takes {len(plan.bytes_lora)} low-rank buffers, "
+                         f"got {len(lora)}")
+    for what, buf, need in (("C", C, plan.bytes_c), ("X", X, plan.bytes_x),
+                            *zip(("U", "V"), lora, plan.bytes_lora)):
         if buf.nbytes < need:
             raise ValueError(f"{plan.name}: buffer {what} holds {buf.nbytes} bytes, the plan "
                              f"needs {need}")
-    rec.dispatch(plan.kernel, [C, X, *qbuffers], plan.groups, plan.push, writes=[0])
+    rec.dispatch(plan.kernel, [C, X, *qbuffers, *lora], plan.groups, plan.push, writes=[0])
 
 
 def dequant_variant(f: Format) -> KernelVariant:
@@ -221,13 +249,14 @@ def record_quantize(rec, plan: QuantPlan, W, *qbuffers, scratch=None):
 
 @variant_family("quantized weights")
 def quant_variants(dev) -> list[KernelVariant]:
-    """Every quantized-weight kernel this device can pick: qmatmul in both forms, the few-row
-    kernel, dequantize and gather per format, the device quantizers."""
+    """Every quantized-weight kernel this device can pick: qmatmul in both forms, with and without
+    the fused LoRA term, the few-row kernel, dequantize and gather per format, the device
+    quantizers."""
     out = []
     for f in FORMATS.values():
-        for form in ("nt", "nn"):
+        for form, lora in [(form, lora) for form in ("nt", "nn") for lora in (False, True)]:
             out += tiled_variants(dev, lambda var, vec, sv, texel: qmatmul_variant(
-                dev, f, form, var, vec, sv, texel))
+                dev, f, form, var, vec, sv, texel, lora=lora))
         out += [qmatvec_variant(f, texel) for texel in (False, True)]
         out += [dequant_variant(f), gather_variant(f)]
     return out + [v for vs in QUANTIZERS.values() for v in vs]

@@ -17,28 +17,51 @@ from .formats import QuantizedWeight, get_format
 class QLinear(CustomOp):
     """y (M, N) = x (M, K) . W^T with W (N, K) packed, dequantized inside the matmul shader ('nt');
     its input gradient dx = g . W is the same kernel in form 'nn'. W is frozen: no gradient.
-    The matmul precision is the one current when the node is made (vkdsl.precision)."""
+    The matmul precision is the one current when the node is made (vkdsl.precision).
+    lora_scale s (qlora_linear): the sources end in U, V (and A) and the kernel adds s U V ('nt',
+    V = B) or s U V^T ('nn', V = A) as it stores."""
 
-    def __init__(self, fmt: str, shape, form: str = "nt", precision: str | None = None):
+    def __init__(self, fmt: str, shape, form: str = "nt", precision: str | None = None,
+                 lora_scale: float | None = None):
         self.fmt, self.shape, self.form = get_format(fmt).name, tuple(shape), form
         self.precision = precision or precision_now()
-        self.name = f"qlinear_{form}_{self.fmt}" + ("_fp16" if self.precision == "fp16" else "")
+        self.lora_scale = lora_scale
+        self.name = (f"qlinear_{form}_{self.fmt}" + ("_fp16" if self.precision == "fp16" else "")
+                     + ("_lora" if lora_scale is not None else ""))
 
     def record(self, rec, out, srcs):
         N, K = self.shape
-        M = srcs[0].nbytes // 4 // (K if self.form == "nt" else N)
+        n = len(get_format(self.fmt).arrays)
+        x, arrays, lora = srcs[0], srcs[1:1 + n], srcs[1 + n:1 + n + 2]
+        M = x.nbytes // 4 // (K if self.form == "nt" else N)
         plan = kernels.plan_qmatmul(rec.device, self.fmt, M=M, N=N, K=K, form=self.form,
-                                    precision=self.precision)
-        kernels.record_qmatmul(rec, plan, out, srcs[0], *srcs[1:])
+                                    precision=self.precision,
+                                    lora_rank=lora[0].nbytes // 4 // M if lora else 0,
+                                    lora_scale=self.lora_scale or 0.0)
+        kernels.record_qmatmul(rec, plan, out, x, *arrays, lora=tuple(lora))
 
     def flops(self, node) -> int:
         N, K = self.shape
-        return 2 * node.shape[0] * N * K
+        rank = node.src[1 + len(get_format(self.fmt).arrays)].shape[1] if self.lora_scale else 0
+        return 2 * node.shape[0] * (N * K + node.shape[1] * rank)
 
-    def backward(self, node, g, x, *arrays):
-        return (qlinear(g, arrays, self.fmt, self.shape, "nn" if self.form == "nt" else "nt",
-                        self.precision),
-                *([None] * len(arrays)))
+    def backward(self, node, g, x, *rest):
+        n = len(get_format(self.fmt).arrays)
+        if self.lora_scale is None:
+            return (qlinear(g, rest, self.fmt, self.shape, "nn" if self.form == "nt" else "nt",
+                            self.precision),
+                    *([None] * n))
+        if self.form != "nt":
+            raise NotImplementedError(f"{self.name}: an input gradient has no gradient")
+        # y = x W^T + s U B with U = x A. The gradients through U (to x and to A) are given here,
+        # not by U's own node (None below), so that x's whole gradient is one fused product:
+        # dx = g W + s (g B^T) A^T, dA = s x^T (g B^T), dB = s U^T g.
+        arrays, (U, B, A) = rest[:n], rest[n:]
+        s = self.lora_scale
+        P = g @ B.T
+        dx = custom(QLinear(self.fmt, self.shape, "nn", self.precision, s), [g, *arrays, P, A],
+                    (g.shape[0], self.shape[1]), requires_grad=False)
+        return (dx, *([None] * n), None, (U.T @ g) * s, (x.T @ P) * s)
 
 
 def upload_weight(dev, qw: QuantizedWeight) -> list:
@@ -67,6 +90,22 @@ def qlinear(x: Tensor, arrays, fmt: str, shape, form: str = "nt",
                          f"{x.shape}, expected (M, {kin})")
     return custom(QLinear(fmt, shape, form, precision), [x, *arrays], (x.shape[0], nout),
                   requires_grad=x.requires_grad)
+
+
+def qlora_linear(x: Tensor, arrays, fmt: str, shape, A: Tensor, B: Tensor, scale: float,
+                 precision: str | None = None) -> Tensor:
+    """x (M, K) . W^T + scale (x A) B, W (N, K) packed, A (K, r), B (r, N): a LoRA layer on a
+    quantized weight. Where the kernel takes the shape (kernels.lora_fits, and more rows than the
+    few-row kernel's: a token at a time keeps its matrix-vector kernel) the adapter's term rides in
+    the product's epilogue, forward and input gradient alike; elsewhere it is ops.lora's."""
+    N, K = shape
+    if x.ndim != 2 or x.shape[1] != K or A.shape[0] != K or B.shape != (A.shape[1], N):
+        raise ValueError(f"qlora_linear {fmt} {N}x{K}: x {x.shape}, A {A.shape}, B {B.shape}; "
+                         f"expected x (M, {K}), A ({K}, r), B (r, {N})")
+    if x.shape[0] <= kernels.MV_ROWS or not kernels.lora_fits("nt", A.shape[1], N):
+        return qlinear(x, arrays, fmt, shape, "nt", precision) + ((x @ A) @ B) * scale
+    return custom(QLinear(fmt, shape, "nt", precision, float(scale)),
+                  [x, *arrays, x @ A, B, A], (x.shape[0], N))
 
 
 class Dequant(CustomOp):

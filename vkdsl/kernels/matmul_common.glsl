@@ -49,7 +49,15 @@ void unpack_chunk(CHUNK t, out float v[VEC]) { v[0] = t.x; v[1] = t.y; v[2] = t.
 void unpack_chunk(CHUNK t, out float v[VEC]) { v[0] = t; }
 #endif
 
+#ifdef LORA
+#include "matmul_lora.glsl"
+#else
 layout(push_constant) uniform MatmulPush {
     uint M, N, K;
     uint stride_a, stride_b, stride_c;
 } pc;
+#endif
+// What a tiled kernel stores for C[row, col] given its sum v: v itself, or an epilogue's value.
+#ifndef C_OUT
+#define C_OUT(v, row, col) (v)
+#endif

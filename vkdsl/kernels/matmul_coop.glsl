@@ -57,6 +57,6 @@ void main() {
     const uint c0 = z * pc.stride_c;
     for (uint e = tid; e < BM * BN; e += nthreads) {
         const uint row = m0 + e / BN, col = n0 + e % BN;
-        if (row < pc.M && col < pc.N) c_data[c0 + row * pc.N + col] = sc[e];
+        if (row < pc.M && col < pc.N) c_data[c0 + row * pc.N + col] = C_OUT(sc[e], row, col);
     }
 }

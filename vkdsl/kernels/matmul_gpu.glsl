@@ -50,7 +50,7 @@ void main() {
         const uint row = m0 + ty + i * (BM / TM);
         [[unroll]] for (int j = 0; j < TN; j++) {
             const uint col = n0 + tx + j * (BN / TN);
-            if (row < pc.M && col < pc.N) c_data[c0 + row * pc.N + col] = acc[i][j];
+            if (row < pc.M && col < pc.N) c_data[c0 + row * pc.N + col] = C_OUT(acc[i][j], row, col);
         }
     }
 }

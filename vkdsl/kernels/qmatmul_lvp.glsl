@@ -72,5 +72,8 @@ void main() {
         tile_fma(acc, a, b);
     }
 #endif
+#ifdef LORA
+    lora_tile(acc, row0, col0);
+#endif
     tile_store(acc, row0, col0, gl_WorkGroupID.z * pc.stride_c);
 }
