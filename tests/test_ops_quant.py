@@ -184,6 +184,31 @@ def test_lora_on_a_packed_weight(fmt, M, rank, fused):
         assert np.all(err <= 2 * gamma * mag + 1e-30), f"result {i}: {err.max():.3g}"
 
 
+def test_fused_lora_under_fp16_saved_activations():
+    """The fused layer's U = x A is a narrow product stored transposed, so the fused kernel reads a
+    copy of it; with fp16 saved activations its stash must follow that copy, not the product (it
+    once read the copy's buffer before the copy was made: NaN in B's gradient). Reference: the
+    same step with fp32 activations; fp16 rounding of x and U moves the gradients by ~1e-3."""
+    from vkdsl.autograd import saved_activations
+    from vkdsl.ops.lora import LoRA
+    rec, mode = record_of("q8_0", 96, 64, seed=9)
+    W = Packed(rec, mode)
+    rng = np.random.default_rng(10)
+    x0 = vkdsl.tensor(rng.standard_normal((37, 64)).astype(np.float32))
+    a, b = (vkdsl.tensor(rng.standard_normal(sh).astype(np.float32) * 0.1, requires_grad=True)
+            for sh in ((64, 8), (8, 96)))
+    got = {}
+    for act in ("float32", "float16"):
+        @vkdsl.trace
+        def step():
+            y = W((x0 * 1.5).tanh(), LoRA(a, b, 2.0))         # a computed, stashed activation
+            with saved_activations(act):
+                return grad((y * y).sum(), [a, b])
+        got[act] = [np.asarray(t) for t in step()]
+    for full, half in zip(got["float32"], got["float16"]):
+        assert np.abs(half - full).max() <= 1e-2 * np.abs(full).max()
+
+
 def test_group_size_that_does_not_divide_the_row_is_refused():
     w = np.ones((4, 100), np.float32)
     for fn in (Q.quantize_int4, Q.quantize_nf4):

@@ -94,13 +94,14 @@ def is_stash(t) -> bool:
 
 
 def _stashes_early(order):
-    """Each stash right after the node holding its source's data, instead of where the backward
-    first reads it: the fp32 original then dies with its last forward reader, not in the
-    backward."""
+    """Each stash right after its source, instead of where the backward first reads it: the fp32
+    original then dies with its last forward reader, not in the backward. After the source itself,
+    not its data's node: a view a hand-written kernel reads is a copy of its own, made where the
+    view stands (a LoRA U = x A stored transposed, read by the fused product)."""
     early = {}
     for t in order:
         if is_stash(t):
-            early.setdefault(id(base_of(t.src[0])), []).append(t)
+            early.setdefault(id(t.src[0]), []).append(t)
     if not early:
         return order
     out = []

@@ -18,36 +18,36 @@ class QLinear(CustomOp):
     """y (M, N) = x (M, K) . W^T with W (N, K) packed, dequantized inside the matmul shader ('nt');
     its input gradient dx = g . W is the same kernel in form 'nn'. W is frozen: no gradient.
     The matmul precision is the one current when the node is made (vkdsl.precision).
-    lora_scale s (qlora_linear): the sources end in U, V (and A) and the kernel adds s U V ('nt',
-    V = B) or s U V^T ('nn', V = A) as it stores."""
+    lora (rank r, scale s; qlora_linear): the sources end in U, V (and A) and the kernel adds
+    s U V ('nt', V = B) or s U V^T ('nn', V = A) as it stores."""
 
     def __init__(self, fmt: str, shape, form: str = "nt", precision: str | None = None,
-                 lora_scale: float | None = None):
+                 lora: tuple | None = None):
         self.fmt, self.shape, self.form = get_format(fmt).name, tuple(shape), form
         self.precision = precision or precision_now()
-        self.lora_scale = lora_scale
+        self.lora = lora
         self.name = (f"qlinear_{form}_{self.fmt}" + ("_fp16" if self.precision == "fp16" else "")
-                     + ("_lora" if lora_scale is not None else ""))
+                     + ("_lora" if lora else ""))
 
     def record(self, rec, out, srcs):
         N, K = self.shape
         n = len(get_format(self.fmt).arrays)
-        x, arrays, lora = srcs[0], srcs[1:1 + n], srcs[1 + n:1 + n + 2]
+        x, arrays, low = srcs[0], srcs[1:1 + n], srcs[1 + n:1 + n + 2]
         M = x.nbytes // 4 // (K if self.form == "nt" else N)
         plan = kernels.plan_qmatmul(rec.device, self.fmt, M=M, N=N, K=K, form=self.form,
                                     precision=self.precision,
-                                    lora_rank=lora[0].nbytes // 4 // M if lora else 0,
-                                    lora_scale=self.lora_scale or 0.0)
-        kernels.record_qmatmul(rec, plan, out, x, *arrays, lora=tuple(lora))
+                                    lora_rank=self.lora[0] if self.lora else 0,
+                                    lora_scale=self.lora[1] if self.lora else 0.0)
+        kernels.record_qmatmul(rec, plan, out, x, *arrays, lora=tuple(low))
 
     def flops(self, node) -> int:
         N, K = self.shape
-        rank = node.src[1 + len(get_format(self.fmt).arrays)].shape[1] if self.lora_scale else 0
+        rank = self.lora[0] if self.lora else 0
         return 2 * node.shape[0] * (N * K + node.shape[1] * rank)
 
     def backward(self, node, g, x, *rest):
         n = len(get_format(self.fmt).arrays)
-        if self.lora_scale is None:
+        if not self.lora:
             return (qlinear(g, rest, self.fmt, self.shape, "nn" if self.form == "nt" else "nt",
                             self.precision),
                     *([None] * n))
@@ -57,10 +57,10 @@ class QLinear(CustomOp):
         # not by U's own node (None below), so that x's whole gradient is one fused product:
         # dx = g W + s (g B^T) A^T, dA = s x^T (g B^T), dB = s U^T g.
         arrays, (U, B, A) = rest[:n], rest[n:]
-        s = self.lora_scale
+        s = self.lora[1]
         P = g @ B.T
-        dx = custom(QLinear(self.fmt, self.shape, "nn", self.precision, s), [g, *arrays, P, A],
-                    (g.shape[0], self.shape[1]), requires_grad=False)
+        dx = custom(QLinear(self.fmt, self.shape, "nn", self.precision, self.lora),
+                    [g, *arrays, P, A], (g.shape[0], self.shape[1]), requires_grad=False)
         return (dx, *([None] * n), None, (U.T @ g) * s, (x.T @ P) * s)
 
 
@@ -104,7 +104,7 @@ def qlora_linear(x: Tensor, arrays, fmt: str, shape, A: Tensor, B: Tensor, scale
                          f"expected x (M, {K}), A ({K}, r), B (r, {N})")
     if x.shape[0] <= kernels.MV_ROWS or not kernels.lora_fits("nt", A.shape[1], N):
         return qlinear(x, arrays, fmt, shape, "nt", precision) + ((x @ A) @ B) * scale
-    return custom(QLinear(fmt, shape, "nt", precision, float(scale)),
+    return custom(QLinear(fmt, shape, "nt", precision, (A.shape[1], float(scale))),
                   [x, *arrays, x @ A, B, A], (x.shape[0], N))
 
 
