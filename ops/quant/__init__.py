@@ -7,7 +7,6 @@ from .formats import (FORMATS, NF4_CODEBOOK, NF4_GROUP, Format, QuantizedWeight,
 from .gather import qgather  # noqa: F401
 from .kernels import (plan_dequant, plan_qmatmul, plan_quantize, record_dequant,  # noqa: F401
                       record_qmatmul, record_quantize)
-from .kernels import lora_fits  # noqa: F401
 from .linear import (QLinear, dequant, packed_arrays, qlinear, qlora_linear,  # noqa: F401
                      upload_weight)
 from .roundtrip import QuantRoundTrip, roundtrip  # noqa: F401

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from vkdsl import tuning
@@ -254,7 +255,7 @@ def quant_variants(dev) -> list[KernelVariant]:
     quantizers."""
     out = []
     for f in FORMATS.values():
-        for form, lora in [(form, lora) for form in ("nt", "nn") for lora in (False, True)]:
+        for form, lora in itertools.product(("nt", "nn"), (False, True)):
             out += tiled_variants(dev, lambda var, vec, sv, texel: qmatmul_variant(
                 dev, f, form, var, vec, sv, texel, lora=lora))
         out += [qmatvec_variant(f, texel) for texel in (False, True)]

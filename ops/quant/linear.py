@@ -10,6 +10,7 @@ from vkdsl.custom import CustomOp, custom
 from vkdsl.precision import current as precision_now
 from vkdsl.runtime import Buffer
 
+from ..lora import LoRA
 from . import kernels
 from .formats import QuantizedWeight, get_format
 
@@ -103,7 +104,7 @@ def qlora_linear(x: Tensor, arrays, fmt: str, shape, A: Tensor, B: Tensor, scale
         raise ValueError(f"qlora_linear {fmt} {N}x{K}: x {x.shape}, A {A.shape}, B {B.shape}; "
                          f"expected x (M, {K}), A ({K}, r), B (r, {N})")
     if x.shape[0] <= kernels.MV_ROWS or not kernels.lora_fits("nt", A.shape[1], N):
-        return qlinear(x, arrays, fmt, shape, "nt", precision) + ((x @ A) @ B) * scale
+        return qlinear(x, arrays, fmt, shape, "nt", precision) + LoRA(A, B, scale).delta(x)
     return custom(QLinear(fmt, shape, "nt", precision, (A.shape[1], float(scale))),
                   [x, *arrays, x @ A, B, A], (x.shape[0], N))
 
