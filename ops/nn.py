@@ -22,8 +22,13 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
 
 
 def logsumexp(x: Tensor, axis: int = -1, keepdim: bool = False) -> Tensor:
+    """log(sum(exp(x))) along axis. Its gradient is softmax(x) = exp(x - lse), given as the rule:
+    the max only steadies the sum, and differentiating through it adds a term that is zero in
+    exact arithmetic (1 - sum of the softmax) yet costs two more passes over x and a softmax kept
+    for the backward (over an LM head's vocabulary, the largest tensors of a training step)."""
     m = x.max(axis, keepdim=True)
-    out = (x - m).exp().sum(axis, keepdim=True).log() + m
+    lse = (x - m).exp().sum(axis, keepdim=True).log() + m
+    out = with_gradient(lse, (x,), lambda g, x: (g * (x - lse).exp(),))
     return (out if keepdim
             else out.reshape(tuple(s for i, s in enumerate(out.shape) if i != axis % x.ndim)))
 

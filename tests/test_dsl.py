@@ -268,3 +268,47 @@ def test_workgroup_reductions_against_float64_and_nan(rng, R):
     dev = default_device()
     uses = any("subgroupMax" in s for s in srcs)
     assert uses == (dev.limits.subgroup_arithmetic and default_variant(dev) == "gpu")
+
+
+def test_an_expanded_mask_is_recomputed_by_each_reader_not_stored(rng):
+    """A one-hot of labels (rows x vocabulary from one label per row) read by two kernels is
+    recomputed in each instead of written and read back; a mask no larger than what it reads, and
+    an expansion that does arithmetic (its rounding could differ between kernels), are stored."""
+    R, V = 6, 40
+    labels = rng.integers(0, V, R).astype(np.int32)
+    labels[2] = -100
+    z = rng.standard_normal((R, V)).astype(np.float32)
+    lab, logits = T(labels), T(z)
+    hot = lab.reshape(R, 1).eq(Tensor.arange(V))
+    picked, rest = (logits * hot).sum(-1), (logits - hot * 3.0).max(-1)
+    steps, mat = plan([picked, rest], [])
+    assert id(hot) not in mat
+    assert [s.kind for s in steps] == ["reduce", "reduce"]
+    want = (z.astype(np.float64) * (labels[:, None] == np.arange(V)))
+    np.testing.assert_array_equal(picked.numpy(), want.sum(-1).astype(np.float32))
+    assert nmse(rest.numpy(), (z - 3.0 * (labels[:, None] == np.arange(V))).max(-1)) < 1e-14
+    same_size = logits > 0.0
+    _, mat = plan([(logits * same_size).sum(-1), same_size.where(logits, 0.0).max(-1)], [])
+    assert id(same_size) in mat
+    scaled = hot * Tensor.arange(V)
+    _, mat = plan([(logits * scaled).sum(-1), (logits + scaled).max(-1)], [])
+    assert id(scaled) in mat
+
+
+def test_a_chain_of_views_is_one_read_and_a_broadcast_is_computed_once(rng):
+    """RoPE reads each rotated half through a reshape and a pad: one reader each, so the whole
+    rotation is one kernel (it was three when every view in a chain counted as a reader). A value
+    broadcast to its reader stays stored: computed once, not once per element it is read at."""
+    from vkdsl.ops import nn
+    from vkdsl_golden import reference_train as RT
+    x = rng.standard_normal((16, 3, 8)).astype(np.float32)
+    pos = np.arange(16)
+    cos, sin = (T(a) for a in nn.rope_tables(pos, 8, 10000.0))
+    y = nn.rope(T(x), cos, sin)
+    steps, _ = plan([y], [])
+    assert [s.kind for s in steps] == ["elementwise"]
+    assert nmse(y.numpy(), RT.rope(x, pos, 10000.0)) < 1e-12
+    a, b = T(rng.standard_normal((6, 1))), T(rng.standard_normal((6, 50)))
+    r = (a * 2.0).exp()
+    steps, mat = plan([b * r], [])
+    assert id(r) in mat and [s.kind for s in steps] == ["elementwise", "elementwise"]

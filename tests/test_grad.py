@@ -15,7 +15,7 @@ from vkdsl_golden import reference_train as RT
 from vkdsl.ops import attention, losses, nn
 from vkdsl.ops.lora import LoRA, lora_linear
 
-from conftest import check_grads as check, f32
+from conftest import check_grads as check, f32, nmse
 
 LIMIT = 1e-8
 
@@ -70,6 +70,33 @@ def test_softmax_logsoftmax_grads(rng):
     x = f32(rng, 3, 7, scale=3)
     check(lambda t: nn.softmax(t), lambda t: R.softmax(t, -1), [x], [0], rng)
     check(lambda t: nn.log_softmax(t), lambda t: R.log_softmax(t, -1), [x], [0], rng)
+
+
+@pytest.mark.parametrize("axis,keepdim", [(-1, False), (0, True)])
+def test_logsumexp_gradient_is_the_softmax(rng, axis, keepdim):
+    """The explicit rule against float64 softmax, with -inf entries (TMKL's removed targets) and
+    logits of +-1e4; and the backward keeps no softmax: one (rows, vocabulary) tensor is written,
+    the gradient itself."""
+    x = f32(rng, 5, 9, scale=3)
+    x[1, 3] = x[2, 0] = -np.inf
+    x[3] *= 1e4
+    g = rng.standard_normal(9 if axis == 0 else 5).astype(np.float32)
+    t = vkdsl.tensor(x, requires_grad=True)
+    out = nn.logsumexp(t, axis, keepdim)
+    gt = vkdsl.tensor(g.reshape(out.shape))
+    (dx,) = grad(out, [t], upstream=gt)
+    x64 = x.astype(np.float64)
+    lse = np.log(np.exp(x64 - x64.max(axis, keepdims=True)).sum(axis, keepdims=True)) + \
+        x64.max(axis, keepdims=True)
+    assert nmse(out.numpy().reshape(lse.shape), lse) < 1e-14
+    want = g.reshape(lse.shape) * np.exp(x64 - lse)
+    assert nmse(dx.numpy(), want) < 1e-13 and np.isfinite(dx.numpy()).all()
+    assert dx.numpy()[1, 3] == 0.0 and dx.numpy()[2, 0] == 0.0
+    from vkdsl.schedule import plan
+    t2 = vkdsl.tensor(x, requires_grad=True)
+    (d2,) = grad(nn.logsumexp(t2, -1).sum(), [t2])
+    steps, _ = plan([d2], [])
+    assert [s.kind for s in steps if s.node.shape == x.shape] == ["elementwise"]
 
 
 def test_cross_entropy_grad(rng):
@@ -200,8 +227,9 @@ def test_rowwise_head_loss_grads(rng):
 
 
 def test_rowwise_keeps_no_logits_for_the_backward(rng):
-    """Four chunks of (64, 4096) logits: the composite keeps each chunk's logits (and softmax) until
-    the backward; through rowwise they die in the forward, so the program holds far fewer bytes."""
+    """Four chunks of (64, 4096) logits: the composite keeps each chunk's logits until the backward
+    (logsumexp's gradient reads them); through rowwise they die in the forward, one chunk alive at
+    a time, so the program holds about three chunks' logits less (3.0 measured; 2.75 asked)."""
     from vkdsl.autograd import rowwise
     R, D, V, C = 256, 16, 4096, 64
     x = vkdsl.tensor(f32(rng, R, D), requires_grad=True)
@@ -220,7 +248,7 @@ def test_rowwise_keeps_no_logits_for_the_backward(rng):
     (f_step, fused), (p_step, plain) = program(True), program(False)
     held = lambda prog: prog.device_bytes      # noqa: E731
     logits = C * V * 4
-    assert held(plain) - held(fused) >= 3 * logits, (held(plain), held(fused))
+    assert held(plain) - held(fused) >= 2.75 * logits, (held(plain), held(fused))
     for a, b in zip(f_step(lab), p_step(lab)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

@@ -135,11 +135,14 @@ def bench_sft(model, w, B=4, T=256, checkpoint="none", plan_only=False, targets=
             continue
         against = {} if activations == "fp32" else fp32_gradients_vs(model, params, st, args)
         dev.peak_bytes = dev.allocated_bytes  # the comparison's fp32 program is not this case's
+        error = ""
         try:
             t, recs = time_stepper(model, st, params, [(ids, labels)],
                                    reps=steps or (2 if B * T <= 2048 else 1), lr=lr)
         except DeviceMemoryError as e:             # said as a row: the other cases still run
-            rows.append({"case": case, "error": f"does not fit: {e}"})
+            error = f"does not fit: {e}"
+        if error:   # freed after the except: its traceback holds the half-built program's buffers
+            rows.append({"case": case, "error": error})
             _free(model, st.fn, st.fn_packed)
             continue
         prog = st.fn.program(*args)

@@ -2,6 +2,7 @@
 rest into their consumers, and lists each step's inputs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .graph import ELEMENTWISE, KERNEL_OPS, VIEWS, base_of, walk
@@ -48,8 +49,13 @@ def materialized(order, outputs=()) -> set:
     """Ids of the nodes of `order` (sources first) that get a buffer: kernels' outputs and whatever
     a hand-written kernel reads, elementwise nodes read by several kernels, stashes, the outputs;
     every other elementwise node is fused into its readers."""
-    uses = {}
+    uses, out_ids = {}, {id(t) for t in outputs}
     for t in order:
+        # a view is read where its readers read it (an output view by its own copy), so a chain
+        # of views is one use, not one per view; a broadcast stays a use of its own, so what is
+        # broadcast is computed once, not once per element it is read at
+        if t.op in VIEWS and t.op != "expand" and id(t) not in out_ids:
+            continue
         for s in t.src:
             b = base_of(s)        # a view's consumers are its data node's consumers
             uses[id(b)] = uses.get(id(b), 0) + 1
@@ -59,10 +65,34 @@ def materialized(order, outputs=()) -> set:
     for t in order:
         if t.op in ("matmul", "gather", "custom"):
             mat |= {id(s) for s in t.src}          # hand-written kernels read whole buffers
-        if t.op in ELEMENTWISE and uses.get(id(t), 0) > 1:
+        if t.op in ELEMENTWISE and uses.get(id(t), 0) > 1 and not _is_mask(t, mat):
             mat.add(id(t))                         # computed once, read by several kernels
     _bound_fused_reads(order, mat)
     return mat
+
+
+MASK_OPS = ("cmpeq", "cmplt", "where", "cast") + VIEWS + ("iota", "const")
+EXPANSION = 16           # a mask this many times larger than what it reads is recomputed, not kept
+
+
+def _is_mask(t, mat) -> bool:
+    """Whether elementwise t is a mask (comparisons and selections, exact in any kernel) expanded
+    from far smaller tensors, such as an LM head's one-hot labels (rows x vocabulary from one label
+    per row): each reader recomputes it from those instead of reading a stored copy, and no pass
+    writes it. A stored copy's write and reads cost more than the comparisons they replace."""
+    reads, stack, seen = 0, [t], set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n is not t and (id(n) in mat or n.op in KERNEL_OPS):
+            reads += math.prod(base_of(n).shape)
+        elif n.op not in MASK_OPS:
+            return False
+        else:
+            stack.extend(n.src)
+    return reads * EXPANSION <= math.prod(t.shape)
 
 
 MAX_FUSED_READS = 24     # buffers one generated kernel reads: llvmpipe binds at most 32 per shader
