@@ -206,19 +206,30 @@ def test_a_cache_over_budget_computes_in_step(tiny):
 
 
 def test_profile_classes_cover_every_dispatch(tiny):
-    # `vkdsl bench train --by-kernel` on the tiny model: each timed dispatch lands in one class
-    from vkdsl.train.profile import CLASSES, table
+    # `vkdsl bench train --by-kernel` on the tiny model: each timed dispatch lands in one class, the
+    # rows add up to the step's wall, and the base logits a first visit computes (another program)
+    # are a row of their own, not "host" (as they were filed until the device counted its waits)
+    from vkdsl.train.profile import CLASSES, PROGRAMS, table, timed
     m, names, cfg = model_with_adapters(tiny, tmkl=0.1)
     st = Stepper(m, params_of(m, names), cfg)
     ids, lab = batch(B=2, seed=4)
-    st.step([(ids, lab)], cfg.lr)
+    st.step([(ids, lab)], cfg.lr)                                     # compiles
+    ids, lab = batch(B=2, seed=5)                                     # a first visit
+    wall, waited = timed(lambda: st.step([(ids, lab)], cfg.lr))
     pos, sl = select(lab)
     prog = st.fn.program(ids, pos, sl, np.ones(1, np.float32), st.base_cache.logits(ids, lab, pos))
-    rows = table(prog, m.cfg.vocab_size, wall_s=1.0, objective="sft")
+    assert set(waited) == {prog.recording.label, "base_hidden", "base_head", "assign"}
+    rows = table(prog, m.cfg.vocab_size, wall, "sft", waited)
     kernels = [r for r in rows if r["class"] in CLASSES]
     assert sum(r["calls"] for r in kernels) == sum(1 for s in prog.steps if s.kind != "assign")
     assert {"LoRA (narrow matmuls)", "LM head + cross-entropy"} <= {r["class"] for r in kernels}
     assert all(r["gflops"] is None or r["gflops"] > 0 for r in rows)
+    parts = {r["class"]: r["seconds"] for r in rows if r["class"] != "step wall"}
+    assert sum(parts.values()) == pytest.approx(wall, rel=1e-9)
+    base = PROGRAMS["base_hidden"]
+    assert parts[base] == pytest.approx(waited["base_hidden"] + waited["base_head"], rel=1e-9)
+    host = next(s for c, s in parts.items() if c.startswith("host"))
+    assert 0 < host < wall
 
 
 def test_profile_names_the_delta_rules_solve_apart_from_the_embedding_gather():

@@ -142,8 +142,12 @@ class BaseLogitCache:
         self.budget, self.bytes, self.rows = int(budget_bytes), 0, {}
         self.hits = self.misses = 0
         self.model = model
-        self.hidden = vkdsl.trace(lambda ids, pos: selected_hidden(model, ids, pos, False, start))
-        self.head = vkdsl.trace(lambda h: model.head(h))
+        def base_hidden(ids, pos):  # named: the profile files its dispatches by these names
+            return selected_hidden(model, ids, pos, False, start)
+
+        def base_head(h):
+            return model.head(h)
+        self.hidden, self.head = vkdsl.trace(base_hidden), vkdsl.trace(base_head)
 
     def fn(self, ids, pos) -> np.ndarray:
         """(S, V) base logits at the flat positions pos, the head in chunks one binding holds."""

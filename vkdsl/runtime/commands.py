@@ -4,6 +4,8 @@ Barriers are inserted only where a dispatch touches a buffer written since the l
 barrier (read-after-write, write-after-write, write-after-read)."""
 from __future__ import annotations
 
+import time
+
 import vulkan as vk
 
 from .errors import check, vkcall
@@ -117,10 +119,12 @@ class Recording:
         if not self._closed:
             self.finish()
         lib, h = vk.lib, self.device.handle
+        t = time.perf_counter()
         check(lib.vkQueueSubmit(self.device.queue, 1, self._submit, self.fence), "vkQueueSubmit",
               self.label)
         check(lib.vkWaitForFences(h, 1, self._fences, vk.VK_TRUE, _WAIT_FOREVER), "vkWaitForFences",
               self.label)
+        self.device.waited[self.label] += time.perf_counter() - t
         check(lib.vkResetFences(h, 1, self._fences), "vkResetFences")
 
     def release(self):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import defaultdict
 
 import vulkan as vk
 
@@ -64,6 +65,8 @@ class Device:
         self.pipeline_cache = PipelineCache(self)      # the driver's, kept on disk between runs
         self.allocated_bytes = 0   # live device memory, for memory-honesty reports
         self.peak_bytes = 0
+        # seconds in submit + wait per program label: the device's work as the host sees it
+        self.waited = defaultdict(float)
 
     @property
     def memory_budget(self) -> int:
