@@ -85,12 +85,13 @@ def _plant(dev, data) -> str:
     return path
 
 
-@pytest.mark.parametrize("how", ["not json", "another driver", "a tile no kernel has"])
+@pytest.mark.parametrize("how", ["not json", "another driver", "another CPU", "a tile no kernel has"])
 def test_a_foreign_or_damaged_tuning_file_is_ignored_in_one_line(own_cache, capsys, how):
     dev = default_device()
     good = {"format": 1, "identity": tuning.identity(dev),
             "entries": {tuning.shape_class("matmul", "nt", 64, 8, 64): {"tile": [8, 8]}}}
     data = {"not json": "{\"format\": 1, ", "another driver": {**good, "identity": {**good["identity"], "driver_info": "Mesa 0.1"}},
+            "another CPU": {**good, "identity": {**good["identity"], "cpu": "GenuineIntel Some Other CPU"}},
             "a tile no kernel has": {**good, "entries": {"x": {"tile": [3, 5]}}}}[how]
     path = _plant(dev, data)
     assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4"    # the default
@@ -118,27 +119,57 @@ def test_tune_writes_what_the_planners_then_read(own_cache, monkeypatch):
     assert key in show.stdout and "2 shape classes" in show.stdout
 
 
-def test_a_shipped_table_serves_its_driver_build_and_a_local_file_overrides_it(own_cache, monkeypatch):
+def test_a_shipped_table_serves_its_driver_build_on_its_vendors_cpus_and_a_local_file_overrides_it(
+        own_cache, monkeypatch, capsys):
     dev = default_device()
+    here = tuning.identity(dev)
+    build = {k: v for k, v in here.items() if k != "cpu"}
+    vendor = here.get("cpu", "AuthenticAMD").split()[0]       # a CPU driver names its processor
     a, b = tuning.shape_class("matmul", "nt", 64, 8, 64), tuning.shape_class("matmul", "nn", 64, 8, 64)
-    table = {"format": 1, "identity": tuning.identity(dev), "entries": {a: {"tile": [8, 8]}, b: {"tile": [8, 16]}}}
-    shipped = own_cache / "shipped" / tuning.path(dev).rsplit("/", 1)[-1]
+    table = {"format": 1, "identity": {**build, "cpu": vendor},
+             "entries": {a: {"tile": [8, 8]}, b: {"tile": [8, 16]}}}
+    shipped = own_cache / "shipped" / tuning.shipped_path(dev).rsplit("/", 1)[-1]
     shipped.parent.mkdir()
     shipped.write_text(json.dumps({**table, "identity": {**table["identity"], "driver_info": "Mesa 0.1"}}))
     tuning.forget()                                     # a table of another build: one line, defaults
     assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4"
+    assert capsys.readouterr().err.count("ignoring the tuning file") == 1
+    if "cpu" in here:                                   # this build's table for another vendor's CPUs
+        shipped.write_text(json.dumps({**table, "identity": {**table["identity"], "cpu": "OtherVendor"}}))
+        tuning.forget()
+        assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4"
+        assert capsys.readouterr().err == ""            # not an error: it is not this machine's table
     shipped.write_text(json.dumps(table))
     tuning.forget()
     assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4_8x8"
     assert plan_matmul(dev, M=64, N=8, K=64).name == "matmul_nn_lvp_t4s4_8x16"
     tuning.forget()
-    _plant(dev, {**table, "entries": {a: {"tile": [16, 16]}}})     # measured here: it wins its class
+    _plant(dev, {**table, "identity": here, "entries": {a: {"tile": [16, 16]}}})   # measured here: it wins
     assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4_16x16"
     assert plan_matmul(dev, M=64, N=8, K=64).name == "matmul_nn_lvp_t4s4_8x16"
     tuning.save(dev, {})                                # the local file never takes in the shipped entries
     assert json.loads(open(tuning.path(dev)).read())["entries"] == {a: {"tile": [16, 16]}}
     monkeypatch.setenv("VKDSL_TUNING", "0")
     assert plan_matmul(dev, M=64, N=8, K=64).name == "matmul_nn_lvp_t4s4"
+
+
+def test_the_shipped_table_names_the_vendor_it_was_measured_on():
+    # the reference machine's table (vkdsl/tuned): measured on an AMD EPYC, so it serves AMD CPUs
+    import glob
+    import os
+    files = glob.glob(os.path.join(tuning.SHIPPED, "*.json"))
+    assert files
+    for f in files:
+        assert json.load(open(f))["identity"]["cpu"] == "AuthenticAMD"
+
+
+def test_cpu_names_the_vendor_and_model_of_proc_cpuinfo():
+    field = {}
+    for line in open("/proc/cpuinfo").read().splitlines():      # the first processor's fields
+        k, sep, v = line.partition(":")
+        if sep and k.strip() not in field:
+            field[k.strip()] = v.strip()
+    assert tuning.cpu() == f"{field['vendor_id']} {field['model name']}"
 
 
 @pytest.mark.parametrize("arg", ["matmul:nt:8x8", "qmatmul:q4_1:tn:8x8x8", "conv:nt:8x8x8"])

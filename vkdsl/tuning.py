@@ -11,15 +11,23 @@ The file, <SPIR-V cache>/tuning/<driver>.json, names the device and driver it wa
 one from another driver or version, or a damaged one, is said in one line and not used (and
 `vkdsl tune` measures afresh over it). `vkdsl tune` (ops/tune.py) writes it.
 
-The package ships tables measured on its reference machine (vkdsl/tuned/, the same file name:
-one per exact device and driver build, e.g. Debian 12's lavapipe); a device with no file of its
-own takes the shipped table of its build, if there is one, and a local file's entries override
-it class by class."""
+On a CPU driver the device is the processor as much as the driver: the identity names the CPU
+too (vendor and model, `cpu()`), so a file measured on another machine that shares the cache
+folder is not used here.
+
+The package ships tables measured on its reference machine (vkdsl/tuned/: one per exact device
+and driver build, e.g. Debian 12's lavapipe, found by the identity without the CPU). A shipped
+table names the CPU vendor it was measured on and serves only that vendor's processors: on
+Debian's lavapipe the AMD table's tiles ran the large packed products 20-26% slower than the
+default tile on an Intel Xeon (BENCHMARKS.md). A device with no file of its own takes the
+shipped table that serves it, if there is one, and a local file's entries override it class by
+class."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import platform
 import sys
 
 from .fileio import atomic_write
@@ -33,19 +41,39 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 _files: dict[str, dict] = {}             # path -> entries (read once per process)
 
 
+def cpu() -> str:
+    """'vendor model' of this machine's processor (/proc/cpuinfo; elsewhere what platform says)."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    model = info.get("model name") or platform.processor() or platform.machine()
+    return f"{info.get('vendor_id', '')} {model}".strip()
+
+
 def identity(dev) -> dict:
-    """What a tuning is valid for: the device and its driver build."""
+    """What a tuning is valid for: the device and its driver build (and the CPU a CPU driver runs
+    on)."""
     i = dev.info
     return {"device": i.name, "driver": i.driver, "driver_info": i.driver_info,
-            "api": i.api_version, "profile": i.profile}
+            "api": i.api_version, "profile": i.profile,
+            **({"cpu": cpu()} if i.kind == "cpu" else {})}
 
 
-def path(dev) -> str:
+def _build(ident: dict) -> dict:
+    return {k: v for k, v in ident.items() if k != "cpu"}
+
+
+def path(dev, ident: dict | None = None) -> str:
     from .compiler.cache import cache_dir
-    ident = json.dumps(identity(dev), sort_keys=True)
+    text = json.dumps(ident or identity(dev), sort_keys=True)
     slug = "".join(c if c.isalnum() else "-" for c in dev.info.name)[:40]
     return os.path.join(cache_dir(), "tuning",
-                        f"{slug}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.json")
+                        f"{slug}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
 
 
 def shape_class(op: str, form: str, M: int, N: int, K: int) -> str:
@@ -55,10 +83,21 @@ def shape_class(op: str, form: str, M: int, N: int, K: int) -> str:
     return f"{op} {form} {up(M)}x{up(N)}x{up(K)}"
 
 
-def _check(data, dev) -> dict:
+def serves(ident, dev, shipped: bool = False) -> bool:
+    """Whether a table measured on ident is valid here: the same identity, or for a shipped table
+    the same driver build on a CPU of the vendor it names."""
+    here = identity(dev)
+    if not shipped or not isinstance(ident, dict):
+        return ident == here
+    vendor = ident.get("cpu", "")
+    return (_build(ident) == _build(here)
+            and ("cpu" not in here or bool(vendor) and here["cpu"].split()[0] == vendor))
+
+
+def _check(data, dev, shipped: bool = False) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"expected an object with format {FORMAT}")
-    if data.get("identity") != identity(dev):
+    if not serves(data.get("identity"), dev, shipped):
         raise ValueError(f"measured on {data.get('identity')}, not this device and driver")
     entries = data.get("entries")
     if not isinstance(entries, dict):
@@ -70,12 +109,17 @@ def _check(data, dev) -> dict:
     return entries
 
 
-def _read(p: str, dev) -> dict:
+def _read(p: str, dev, shipped: bool = False) -> dict:
     if p not in _files:
         _files[p] = {}
         try:
             with open(p) as f:
-                _files[p] = _check(json.load(f), dev)
+                data = json.load(f)
+            ident = data.get("identity") if isinstance(data, dict) else None
+            if (shipped and isinstance(ident, dict) and _build(ident) == _build(identity(dev))
+                    and not serves(ident, dev, True)):
+                return _files[p]        # this build's table, for another vendor's CPUs: not ours
+            _files[p] = _check(data, dev, shipped)
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as e:
@@ -85,8 +129,9 @@ def _read(p: str, dev) -> dict:
 
 
 def shipped_path(dev) -> str:
-    """Where the package's table for this device and driver build would be."""
-    return os.path.join(SHIPPED, os.path.basename(path(dev)))
+    """Where the package's table for this device and driver build would be (named by the identity
+    without the CPU)."""
+    return os.path.join(SHIPPED, os.path.basename(path(dev, _build(identity(dev)))))
 
 
 def local_entries(dev) -> dict:
@@ -96,7 +141,7 @@ def local_entries(dev) -> dict:
 
 def shipped_entries(dev) -> dict:
     """The package's table for this exact device and driver build ({} where it ships none)."""
-    return _read(shipped_path(dev), dev)
+    return _read(shipped_path(dev), dev, shipped=True)
 
 
 def entries(dev) -> dict:
