@@ -139,6 +139,10 @@ def test_a_shipped_table_serves_its_driver_build_on_its_vendors_cpus_and_a_local
         tuning.forget()
         assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4"
         assert capsys.readouterr().err == ""            # not an error: it is not this machine's table
+        from vkdsl.cli.doctor import _tuning
+        assert _tuning(dev) == ("none", "default tiles; `vkdsl tune --for \"COMMAND\"` measures a "
+                                "job's shapes here; the table shipped for this driver build serves "
+                                "OtherVendor CPUs")
     shipped.write_text(json.dumps(table))
     tuning.forget()
     assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4_8x8"

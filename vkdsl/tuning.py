@@ -134,6 +134,15 @@ def shipped_path(dev) -> str:
     return os.path.join(SHIPPED, os.path.basename(path(dev, _build(identity(dev)))))
 
 
+def shipped_vendor(dev) -> str:
+    """The CPU vendor the table shipped for this driver build names ('' where none ships)."""
+    try:
+        with open(shipped_path(dev)) as f:
+            return str(json.load(f)["identity"].get("cpu", ""))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+
+
 def local_entries(dev) -> dict:
     """What `vkdsl tune` measured on this machine ({} without a usable file: said once)."""
     return _read(path(dev), dev)
