@@ -100,10 +100,9 @@ def _tuning(dev) -> tuple[str, str]:
         return "off", "VKDSL_TUNING=0: every kernel takes its default tile"
     e = tuning.entries(dev)
     if not e:
-        other = tuning.shipped_vendor(dev)
+        other = ", ".join(tuning.shipped_vendors(dev))
         return "none", ("default tiles; `vkdsl tune --for \"COMMAND\"` measures a job's shapes here"
-                        + (f"; the table shipped for this driver build serves {other} CPUs"
-                           if other else ""))
+                        + (f"; this driver build ships tables for {other} CPUs" if other else ""))
     moved = {k: v["tile"] for k, v in e.items() if tuple(v["tile"]) != tuning.DEFAULT_TILE}
     local, shipped = tuning.local_entries(dev), tuning.shipped_entries(dev)
     where = ", ".join(([f"{len(local)} measured here ({tuning.path(dev)})"] if local else [])

@@ -119,30 +119,34 @@ def test_tune_writes_what_the_planners_then_read(own_cache, monkeypatch):
     assert key in show.stdout and "2 shape classes" in show.stdout
 
 
-def test_a_shipped_table_serves_its_driver_build_on_its_vendors_cpus_and_a_local_file_overrides_it(
+def test_a_shipped_table_serves_its_driver_build_and_cpu_vendor_and_a_local_file_overrides_it(
         own_cache, monkeypatch, capsys):
     dev = default_device()
-    here = tuning.identity(dev)
-    build = {k: v for k, v in here.items() if k != "cpu"}
-    vendor = here.get("cpu", "AuthenticAMD").split()[0]       # a CPU driver names its processor
+    here, ident = tuning.identity(dev), tuning.shipped_identity(dev)
+    assert ident == {**{k: v for k, v in here.items() if k != "cpu"},
+                     **({"cpu": here["cpu"].split()[0]} if "cpu" in here else {})}
     a, b = tuning.shape_class("matmul", "nt", 64, 8, 64), tuning.shape_class("matmul", "nn", 64, 8, 64)
-    table = {"format": 1, "identity": {**build, "cpu": vendor},
-             "entries": {a: {"tile": [8, 8]}, b: {"tile": [8, 16]}}}
+    table = {"format": 1, "identity": ident, "entries": {a: {"tile": [8, 8]}, b: {"tile": [8, 16]}}}
     shipped = own_cache / "shipped" / tuning.shipped_path(dev).rsplit("/", 1)[-1]
     shipped.parent.mkdir()
-    shipped.write_text(json.dumps({**table, "identity": {**table["identity"], "driver_info": "Mesa 0.1"}}))
-    tuning.forget()                                     # a table of another build: one line, defaults
-    assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4"
-    assert capsys.readouterr().err.count("ignoring the tuning file") == 1
-    if "cpu" in here:                                   # this build's table for another vendor's CPUs
-        shipped.write_text(json.dumps({**table, "identity": {**table["identity"], "cpu": "OtherVendor"}}))
+    foreign = {"another build": {**ident, "driver_info": "Mesa 0.1"}}
+    if "cpu" in ident:
+        foreign["another vendor"] = {**ident, "cpu": "OtherVendor"}
+    for what, other in foreign.items():                 # at this build's path: one line, defaults
+        shipped.write_text(json.dumps({**table, "identity": other}))
+        tuning.forget()
+        assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4", what
+        assert capsys.readouterr().err.count("ignoring the tuning file") == 1, what
+    if "cpu" in ident:                                  # another vendor's table, under its own name
+        shipped.unlink()
+        theirs = shipped.name.replace(f"-{ident['cpu']}.json", "-OtherVendor.json")
+        (shipped.parent / theirs).write_text(json.dumps({**table, "identity": foreign["another vendor"]}))
         tuning.forget()
         assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4"
         assert capsys.readouterr().err == ""            # not an error: it is not this machine's table
         from vkdsl.cli.doctor import _tuning
         assert _tuning(dev) == ("none", "default tiles; `vkdsl tune --for \"COMMAND\"` measures a "
-                                "job's shapes here; the table shipped for this driver build serves "
-                                "OtherVendor CPUs")
+                                "job's shapes here; this driver build ships tables for OtherVendor CPUs")
     shipped.write_text(json.dumps(table))
     tuning.forget()
     assert plan_matmul(dev, M=64, N=8, K=64, tb=True).name == "matmul_nt_lvp_t4s4_8x8"
@@ -157,14 +161,16 @@ def test_a_shipped_table_serves_its_driver_build_on_its_vendors_cpus_and_a_local
     assert plan_matmul(dev, M=64, N=8, K=64).name == "matmul_nn_lvp_t4s4"
 
 
-def test_the_shipped_table_names_the_vendor_it_was_measured_on():
-    # the reference machine's table (vkdsl/tuned): measured on an AMD EPYC, so it serves AMD CPUs
+def test_each_shipped_table_names_the_vendor_its_file_names():
+    # the reference machines' tables (vkdsl/tuned): one file per driver build and CPU vendor
     import glob
     import os
-    files = glob.glob(os.path.join(tuning.SHIPPED, "*.json"))
-    assert files
-    for f in files:
-        assert json.load(open(f))["identity"]["cpu"] == "AuthenticAMD"
+    vendors = []
+    for f in glob.glob(os.path.join(tuning.SHIPPED, "*.json")):
+        vendor = json.load(open(f))["identity"]["cpu"]
+        assert f.endswith(f"-{vendor}.json")
+        vendors.append(vendor)
+    assert "AuthenticAMD" in vendors
 
 
 def test_cpu_names_the_vendor_and_model_of_proc_cpuinfo():

@@ -15,13 +15,13 @@ On a CPU driver the device is the processor as much as the driver: the identity 
 too (vendor and model, `cpu()`), so a file measured on another machine that shares the cache
 folder is not used here.
 
-The package ships tables measured on its reference machine (vkdsl/tuned/: one per exact device
-and driver build, e.g. Debian 12's lavapipe, found by the identity without the CPU). A shipped
-table names the CPU vendor it was measured on and serves only that vendor's processors: on
-Debian's lavapipe the AMD table's tiles ran the large packed products 20-26% slower than the
+The package ships tables measured on reference machines (vkdsl/tuned/: one per exact device and
+driver build, e.g. Debian 12's lavapipe, and on a CPU driver per CPU vendor: the file and its
+identity name the vendor, not the model). The tiles one vendor's CPU prefers are not another's:
+on Debian's lavapipe the AMD table's tiles ran the large packed products 20-26% slower than the
 default tile on an Intel Xeon (BENCHMARKS.md). A device with no file of its own takes the
-shipped table that serves it, if there is one, and a local file's entries override it class by
-class."""
+shipped table of its build and vendor, if there is one, and a local file's entries override it
+class by class."""
 from __future__ import annotations
 
 import hashlib
@@ -83,21 +83,17 @@ def shape_class(op: str, form: str, M: int, N: int, K: int) -> str:
     return f"{op} {form} {up(M)}x{up(N)}x{up(K)}"
 
 
-def serves(ident, dev, shipped: bool = False) -> bool:
-    """Whether a table measured on ident is valid here: the same identity, or for a shipped table
-    the same driver build on a CPU of the vendor it names."""
+def shipped_identity(dev) -> dict:
+    """What a shipped table for this device names: the driver build and, on a CPU driver, the
+    CPU's vendor (its first word) rather than its model."""
     here = identity(dev)
-    if not shipped or not isinstance(ident, dict):
-        return ident == here
-    vendor = ident.get("cpu", "")
-    return (_build(ident) == _build(here)
-            and ("cpu" not in here or bool(vendor) and here["cpu"].split()[0] == vendor))
+    return {**_build(here), **({"cpu": here["cpu"].split()[0]} if here.get("cpu") else {})}
 
 
 def _check(data, dev, shipped: bool = False) -> dict:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"expected an object with format {FORMAT}")
-    if not serves(data.get("identity"), dev, shipped):
+    if data.get("identity") != (shipped_identity(dev) if shipped else identity(dev)):
         raise ValueError(f"measured on {data.get('identity')}, not this device and driver")
     entries = data.get("entries")
     if not isinstance(entries, dict):
@@ -114,12 +110,7 @@ def _read(p: str, dev, shipped: bool = False) -> dict:
         _files[p] = {}
         try:
             with open(p) as f:
-                data = json.load(f)
-            ident = data.get("identity") if isinstance(data, dict) else None
-            if (shipped and isinstance(ident, dict) and _build(ident) == _build(identity(dev))
-                    and not serves(ident, dev, True)):
-                return _files[p]        # this build's table, for another vendor's CPUs: not ours
-            _files[p] = _check(data, dev, shipped)
+                _files[p] = _check(json.load(f), dev, shipped)
         except FileNotFoundError:
             pass
         except (OSError, ValueError) as e:
@@ -129,18 +120,17 @@ def _read(p: str, dev, shipped: bool = False) -> dict:
 
 
 def shipped_path(dev) -> str:
-    """Where the package's table for this device and driver build would be (named by the identity
-    without the CPU)."""
-    return os.path.join(SHIPPED, os.path.basename(path(dev, _build(identity(dev)))))
+    """Where the package's table for this device, driver build (and CPU vendor) would be: named
+    by the build's identity, then the vendor."""
+    ident = shipped_identity(dev)
+    name = os.path.basename(path(dev, _build(ident)))
+    return os.path.join(SHIPPED, name[:-5] + f"-{ident['cpu']}.json" if "cpu" in ident else name)
 
 
-def shipped_vendor(dev) -> str:
-    """The CPU vendor the table shipped for this driver build names ('' where none ships)."""
-    try:
-        with open(shipped_path(dev)) as f:
-            return str(json.load(f)["identity"].get("cpu", ""))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return ""
+def shipped_vendors(dev) -> list[str]:
+    """The CPU vendors this driver build has tables shipped for."""
+    stem = os.path.basename(path(dev, _build(identity(dev))))[:-5]
+    return sorted(f[len(stem) + 1:-5] for f in os.listdir(SHIPPED) if f.startswith(stem + "-"))
 
 
 def local_entries(dev) -> dict:
