@@ -24,6 +24,7 @@ shipped table of its build and vendor, if there is one, and a local file's entri
 class by class."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,6 +42,7 @@ SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 _files: dict[str, dict] = {}             # path -> entries (read once per process)
 
 
+@functools.lru_cache(maxsize=1)      # identity() runs at every matmul plan: read the file once
 def cpu() -> str:
     """'vendor model' of this machine's processor (/proc/cpuinfo; elsewhere what platform says)."""
     info = {}
