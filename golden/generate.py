@@ -100,16 +100,16 @@ def manifest_text(man: dict) -> str:
 
 
 def generate(root: str | Path | None = None, version: int = VERSION, verbose: bool = False,
-             match: str | None = None) -> dict:
-    """Write every case (or those whose name contains match) and the manifest under
-    <root>/v<version>; remove stale npz files; returns the manifest."""
+             match: str | None = None, skip: tuple[str, ...] = ()) -> dict:
+    """Write every case (or those whose name contains match, less those containing any of skip)
+    and the manifest under <root>/v<version>; remove stale npz files; returns the manifest."""
     if version != VERSION:
         raise ValueError(f"this generator writes version {VERSION} only")
     folder = data_dir(version, root)
     folder.mkdir(parents=True, exist_ok=True)
     entries, files = [], set()
     for case in every_case():
-        if match is not None and match not in case.name:
+        if (match is not None and match not in case.name) or any(x in case.name for x in skip):
             continue
         entry, arrays = build(case)
         data = npz_bytes(arrays)

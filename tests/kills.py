@@ -116,18 +116,18 @@ def campaign(kills: int, seed: int, out=print) -> Counter:
     with tempfile.TemporaryDirectory(prefix="vkdsl-kills-") as tmp:
         root = Path(tmp)
         data = make_data(root / "data")
+        # the uninterrupted run, counting its atomic replaces: the write points to kill inside
+        counting = (PRELUDE.replace("if N:", "if True:").format(n=-1, phase="")
+                    .replace("sys.exit(main(sys.argv[1:]))",
+                             "code = main(sys.argv[1:]); print('REPLACES', _count[0]); sys.exit(code)"))
         t0 = time.perf_counter()
-        ref_run = launch(job_args(data, root / "reference"))
+        ref_run = subprocess.run([sys.executable, "-c", counting, *job_args(data, root / "reference")],
+                                 capture_output=True, text=True, timeout=300)
         full_s = time.perf_counter() - t0
         if ref_run.returncode not in (0, 3):
             raise SystemExit(f"the uninterrupted run failed: {ref_run.stderr[-500:]}")
         reference = final_adapter(root / "reference")
-        # how many atomic replaces an uninterrupted run makes: the write points to kill inside
-        counted = subprocess.run([sys.executable, "-c", PRELUDE.replace("if N:", "if True:").format(n=-1, phase="")
-                                  .replace("sys.exit(main(sys.argv[1:]))",
-                                           "code = main(sys.argv[1:]); print('REPLACES', _count[0]); sys.exit(code)"),
-                                  *job_args(data, root / "count")], capture_output=True, text=True, timeout=300)
-        writes = int(counted.stdout.split("REPLACES")[-1])
+        writes = int(ref_run.stdout.split("REPLACES")[-1])
         out(f"uninterrupted run: {full_s:.1f}s, {writes} atomic replaces")
         rng = np.random.default_rng(seed)
         tally = Counter()
