@@ -23,8 +23,8 @@ from vkdsl.train import config as C
 from .common import GATE_FAILED, USER_ERRORS, _set_profile, open_device, user_error_line
 
 TYPES = {bool: None, int: click.INT, float: click.FLOAT, str: click.STRING, list: click.STRING}
-VERIFY_MATCH = ("matmul", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu", "cross",
-                "tmkl", "lora")
+VERIFY_MATCH = ("matmul", "qlinear", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu",
+                "cross", "tmkl", "lora")
 
 
 def _option(name: str) -> click.Option:
@@ -44,22 +44,26 @@ def _option(name: str) -> click.Option:
 FP16_ROWS = ("matmul_f16in", "qmatmul_f16in")
 
 
-def verify_cases(precision: str, tokens: int = 1 << 30) -> list:
+def verify_cases(precision: str, tokens: int = 1 << 30, formats=None) -> list:
     """The golden cases of the kernels a run uses: the fp16 matmul rows only at precision fp16, the
-    attention rows no longer than the run's sequences (`tokens`)."""
+    attention rows no longer than the run's sequences (`tokens`), the rows of a packed weight
+    format only for the formats the run's model keeps (`formats`; None: every format)."""
     from .verify import case_pairs
 
     def used(case, arrays, note):
+        fmt = case.params.get("fmt") or (case.op[8:] if case.op.startswith("dequant_") else None)
+        if fmt is not None and formats is not None and fmt not in formats:
+            return False
         if case.op == "attention":
             return arrays["in0"].shape[0] <= max(tokens, 512)
         return precision == "fp16" or case.op not in FP16_ROWS
     return [c for m in VERIFY_MATCH for c in case_pairs(match=m) if used(*c)]
 
 
-def _verify(rep, precision, tokens):
+def _verify(rep, precision, tokens, formats=None):
     from vkdsl.cases import verify
     t0 = time.perf_counter()
-    cases = verify_cases(precision, tokens)
+    cases = verify_cases(precision, tokens, formats)
     rows = verify(cases, repeat_warm=False)[0]
     bad = [r for r in rows if not r.passed]
     rep.say(f"verify: {len(rows) - len(bad)}/{len(rows)} kernel checks pass on this device "
@@ -196,11 +200,17 @@ def _run(config_path, resume, over, mode="auto", overwrite=False, plan=False) ->
     if cfg.precision == "fp16":             # and so does one with no fp16 matmul
         from vkdsl.matmul import fp16_choice
         say.say("precision fp16: matmul variant %s, %s" % fp16_choice(dev))
-    if cfg.verify:
-        _verify(say, cfg.precision, max(cfg.max_len, cfg.window))
+    files = None
+    if cfg.verify:      # the kernels of the formats the model keeps packed, and no others
+        from vkdsl.models import load_model_files
+        from vkdsl.models.default import default_model_path
+        from vkdsl.models.quantized import packed_formats
+        files = load_model_files(cfg.model or default_model_path())
+        formats = packed_formats(files[0], cfg.quant)
+        _verify(say, cfg.precision, max(cfg.max_len, cfg.window), formats)
     t0 = time.perf_counter()
     with matmul_precision(cfg.precision):
-        r = run(cfg, out, resume=resume, group=g)
+        r = run(cfg, out, resume=resume, group=g, files=files)
         r.devices = devices
         dpo_ev = dpo_stage(r) if "dpo" in cfg.objective else None
         if g.root:

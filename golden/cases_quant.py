@@ -84,6 +84,7 @@ def quant_cases():
     # gradient): x (M, K), W's bytes (N, K), A (K, r), B (r, N); ragged tiles, ranks 4 to 12
     for fmt, fn, (m, n, k, rank), s in [("q8_0", _q8_0, (37, 96, 64, 8), 2.0),
                                         ("q4_0", _q4_0, (9, 44, 128, 4), 0.5),
+                                        ("q4_1", _q4_1, (21, 40, 96, 8), 2.0),
                                         ("q4_k", _kquant(144, (0,)), (33, 64, 256, 12), 2.0)]:
         out.append(Case(f"qlora_linear[{fmt},{m}x{n}x{k},r={rank}]", "qlora_linear",
                         {"fmt": fmt, "shape": [n, k], "s": s},
@@ -91,4 +92,15 @@ def quant_cases():
                         nb=n * k // (256 if fmt == "q4_k" else 32): [
                             N(r, (m, k)), f(r, nb).ravel(), N(r, (k, q), 0.1),
                             N(r, (q, n), 0.1)], (m, n)))
+    # every packed format a model file keeps, without an adapter: x W^T and its input gradient
+    # g W, at one row (the matrix-vector kernel a decode step runs) and at 19 (the tiled one)
+    for fmt, fn, block in [("f16", _f16_weights, 32), ("q8_0", _q8_0, 32), ("q4_0", _q4_0, 32),
+                           ("q4_1", _q4_1, 32), ("q4_k", _kquant(144, (0,)), 256),
+                           ("q5_k", _kquant(176, (0,)), 256), ("q6_k", _kquant(210, (208,)), 256)]:
+        n, k = 36, 2 * block
+        for m in (1, 19):
+            out.append(Case(f"qlinear[{fmt},{m}x{n}x{k}]", "qlinear", {"fmt": fmt, "shape": [n, k]},
+                            lambda r, f=fn, m=m, n=n, k=k, b=block: [N(r, (m, k)),
+                                                                     f(r, n * k // b).ravel()],
+                            (m, n)))
     return out

@@ -72,6 +72,12 @@ def _qlora_linear(ins, p, g):
     return {"out": T.lora_linear(x, wt, a, b, p["s"]), **_grads(dx, None, da, db)}
 
 
+def _qlinear(ins, p, g):
+    """x W^T on a GGUF weight W (N, K), and the input's gradient g W (the product's nn form)."""
+    w = Q.gguf_weight(ins[1], p["fmt"], p["shape"])
+    return {"out": R.matmul(ins[0], w, tb=True), **_grads(R.matmul(g, w))}
+
+
 def _rmsnorm(ins, p, g):
     return {"out": T.rmsnorm(*ins, p["eps"]), **_grads(*T.rmsnorm_backward(*ins, p["eps"], g))}
 
@@ -143,7 +149,7 @@ def _dequant(fn):
 
 PHASE2: dict[str, Callable] = {
     "cross_entropy": _cross_entropy, "lora_linear": _lora_linear, "qlora_linear": _qlora_linear,
-    "rmsnorm": _rmsnorm,
+    "qlinear": _qlinear, "rmsnorm": _rmsnorm,
     "rope": _rope, "silu": _silu, "swiglu": _swiglu, "attention": _attention,
     "gated_delta": _gated_delta, "tri_inverse": _tri_inverse,
     "kl": _kl, "tmkl": _tmkl, "dpo": _dpo, "adamw": _adamw, "clip_grad_norm": _clip,
@@ -160,6 +166,7 @@ PHASE2: dict[str, Callable] = {
 # ops whose cases carry an upstream gradient "gout" (same shape as "out"), and the inputs each
 # one's gradients are of (evaluate checks that it returns exactly those)
 GRAD_INPUTS = {"cross_entropy": (0,), "lora_linear": (0, 1, 2, 3), "qlora_linear": (0, 2, 3),
+               "qlinear": (0,),
                "rmsnorm": (0, 1), "rope": (0,),
                "silu": (0,), "swiglu": (0, 1), "attention": (0, 1, 2),
                "gated_delta": (0, 1, 2, 3, 4), "tri_inverse": (0,), "kl": (0, 1), "tmkl": (0, 1),

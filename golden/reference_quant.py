@@ -273,8 +273,8 @@ def dequant_q6_k(raw, shape) -> np.ndarray:
 
 def gguf_weight(raw, fmt: str, shape) -> np.ndarray:
     """The float64 weight of GGUF bytes in one of the formats the cases draw."""
-    deq = {"q8_0": dequant_q8_0, "q4_0": dequant_q4_0, "q4_1": dequant_q4_1,
-           "q4_k": dequant_q4_k, "q6_k": dequant_q6_k}[fmt]
+    deq = {"q8_0": dequant_q8_0, "q4_0": dequant_q4_0, "q4_1": dequant_q4_1, "f16": dequant_f16,
+           "q4_k": dequant_q4_k, "q5_k": dequant_q5_k, "q6_k": dequant_q6_k}[fmt]
     return deq(raw, tuple(shape))
 
 

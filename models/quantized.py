@@ -29,6 +29,12 @@ def wants_packed(rec: TensorRecord, quant_mode: str) -> bool:
     raise ValueError(f"quant must be keep, none, int4 or nf4; got {quant_mode!r}")
 
 
+def packed_formats(ckpt, quant_mode: str) -> set[str]:
+    """The packed formats (ops.quant names) a model built from ckpt with quant_mode keeps."""
+    return {PACKED_GGUF[r.ggml_type] if quant_mode == "keep" else quant_mode
+            for r in ckpt.tensors.values() if wants_packed(r, quant_mode)}
+
+
 def _pack(rec: TensorRecord, quant_mode: str) -> quant.QuantizedWeight:
     if quant_mode == "keep":
         return quant.from_gguf(np.ascontiguousarray(rec.raw).view(np.uint8), rec.ggml_type,

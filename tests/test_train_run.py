@@ -185,3 +185,27 @@ def test_dpo_only_run_has_no_sft_gates(setup, tmp_path, capsys):
     names = [g["gate"] for g in json.loads((out / "gates.json").read_text())]
     assert "train loss fell" not in names and "held-out accuracy" not in names      # no SFT-stage gates
     assert {"DPO held-out pairs", "preservation after DPO", "after DPO: format"} <= set(names)
+
+
+def test_the_runs_verify_pass_checks_the_packed_formats_its_model_keeps():
+    # the default model: Q4_1 projections and a Q8_0 embedding (the gguf package's own reader says
+    # which); the run verifies those formats' kernels, fused LoRA and plain, and no other format's
+    import gguf
+    from vkdsl.cli.train import verify_cases
+    from vkdsl.models import load_model_files
+    from vkdsl.models.default import default_model_path
+    from vkdsl.models.quantized import packed_formats
+    path = default_model_path()
+    stored = {t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2}
+    ck = load_model_files(path)[0]
+    assert packed_formats(ck, "keep") == stored - {"f32"} == {"q4_1", "q8_0"}
+    assert packed_formats(ck, "none") == set() and packed_formats(ck, "nf4") == {"nf4"}
+    every, run = verify_cases("fp32", 64), verify_cases("fp32", 64, {"q4_1", "q8_0"})
+    fmt = lambda c: c.params.get("fmt") or (c.op[8:] if c.op.startswith("dequant_") else None)
+    kept = [c.name for c, _, _ in every if fmt(c) in (None, "q4_1", "q8_0")]
+    assert [c.name for c, _, _ in run] == kept
+    names = {c.name for c, _, _ in run}
+    for want in ("qlinear[q4_1,19x", "qlinear[q4_1,1x", "qlinear[q8_0,19x", "qlora_linear[q4_1,",
+                 "dequant_q4_1[", "qgather[q4_1,"):
+        assert any(n.startswith(want) for n in names), want
+    assert {fmt(c) for c, _, _ in every} > {fmt(c) for c, _, _ in run}      # others were left out

@@ -130,6 +130,17 @@ register("qgather", _qgather, 0.0,
          "dequant_*; the kernel's output is guarded, so a row written past the ids is a failure")
 
 
+def _qlinear(i, p):
+    qw = from_gguf(i[1].numpy().astype(np.uint8), p["fmt"], tuple(p["shape"]))
+    return qlinear(i[0], packed_arrays(qw, qw.fmt), qw.fmt, qw.shape)
+
+
+register("qlinear", _qlinear, 1e-8,
+         "a packed weight without an adapter, decoded in the product: fp32 dot products over K <= "
+         "512 terms (NMSE ~ n eps32^2 ~ 1e-12), the input gradient the nn form of the same depth; "
+         "a block decoded with the wrong scale or offset is off by 1e-3 or more")
+
+
 def _qlora(i, p):
     qw = from_gguf(i[1].numpy().astype(np.uint8), p["fmt"], tuple(p["shape"]))
     return qlora_linear(i[0], packed_arrays(qw, qw.fmt), qw.fmt, qw.shape, i[2], i[3], p["s"])

@@ -22,7 +22,7 @@ PHASE2_OPS = {"cross_entropy", "lora_linear", "rmsnorm", "rope", "silu", "swiglu
               "kl", "tmkl", "dpo", "adamw", "clip_grad_norm", "int4_roundtrip", "nf4_roundtrip",
               "dequant_q8_0", "dequant_q4_0", "dequant_q4_1", "dequant_f16", "dequant_q4_k", "dequant_q5_k",
               "dequant_q6_k", "matmul_f16in", "qmatmul_f16in", "half", "gated_delta", "tri_inverse", "matmul_block",
-              "qgather", "qlora_linear"}
+              "qgather", "qlora_linear", "qlinear"}
 
 
 def _case(root, name):
