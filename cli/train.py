@@ -51,13 +51,10 @@ def verify_cases(precision: str, tokens: int = 1 << 30, formats=None) -> list:
     from .verify import case_pairs
 
     def used(case, arrays, note):
-        fmt = case.params.get("fmt") or (case.op[8:] if case.op.startswith("dequant_") else None)
-        if fmt is not None and formats is not None and fmt not in formats:
-            return False
         if case.op == "attention":
             return arrays["in0"].shape[0] <= max(tokens, 512)
         return precision == "fp16" or case.op not in FP16_ROWS
-    return [c for m in VERIFY_MATCH for c in case_pairs(match=m) if used(*c)]
+    return [c for m in VERIFY_MATCH for c in case_pairs(match=m, formats=formats) if used(*c)]
 
 
 def _verify(rep, precision, tokens, formats=None):

@@ -16,29 +16,43 @@ def load_op_rows():
     import vkdsl.ops  # noqa: F401
 
 
-def picked_cases(spec, match=None) -> list:
-    """The cases of spec (a case file, or builtin) whose name contains match."""
+def packed_format(case) -> str | None:
+    """The packed weight format a case's kernel reads (ops.quant names), None for the others."""
+    return case.params.get("fmt") or (case.op[8:] if case.op.startswith("dequant_") else None)
+
+
+def model_formats(path: str) -> set[str]:
+    """The packed formats the model at path keeps on the device (loaded as vkdsl-train does)."""
+    from vkdsl.models import load_model_files
+    from vkdsl.models.quantized import packed_formats
+    return packed_formats(load_model_files(path)[0], "keep")
+
+
+def picked_cases(spec, match=None, formats=None) -> list:
+    """The cases of spec (a case file, or builtin) whose name contains match; formats: only the
+    packed-format rows of these formats (None: every format)."""
     from vkdsl import cases as C
     load_op_rows()
-    return [c for c in C.load(spec) if match is None or match in c.name]
+    return [c for c in C.load(spec) if (match is None or match in c.name)
+            and (formats is None or packed_format(c) in (None, *formats))]
 
 
-def case_pairs(spec="builtin", match=None, root=None) -> list:
-    """(case, arrays, stale note) of every case of spec whose name contains match: against the
-    goldens in root (the installed ones for the built-in cases), else the float64 references
-    computed here."""
+def case_pairs(spec="builtin", match=None, root=None, formats=None) -> list:
+    """(case, arrays, stale note) of every case of spec whose name contains match (and format is
+    one of formats): against the goldens in root (the installed ones for the built-in cases), else
+    the float64 references computed here."""
     from vkdsl import case_goldens as G
     from vkdsl import cases as C
-    picked = picked_cases(spec, match)
+    picked = picked_cases(spec, match, formats)
     if root is None and spec != C.BUILTIN:
         return G.with_references(picked)
     return G.with_goldens(picked, root)
 
 
-def run_verify(match=None, root=None, repeat_warm=True, spec="builtin"):
-    """(rows, timings) of every case of spec whose name contains match."""
+def run_verify(match=None, root=None, repeat_warm=True, spec="builtin", formats=None):
+    """(rows, timings) of every case of spec whose name contains match (format in formats)."""
     from vkdsl.cases import verify
-    return verify(case_pairs(spec, match, root), repeat_warm=repeat_warm)
+    return verify(case_pairs(spec, match, root, formats), repeat_warm=repeat_warm)
 
 
 def _given(name) -> bool:
@@ -65,11 +79,15 @@ def _given(name) -> bool:
               help="also write JUnit XML here: one test case per row per device and profile")
 @click.option("--no-warm", is_flag=True,
               help="skip the second, warm pass (it only times the cached programs)")
-def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit, no_warm):
+@click.option("--model", "model", default=None, metavar="PATH",
+              help="GGUF file or Hugging Face folder: of the packed-weight rows, only those of the "
+                   "formats this model keeps on the device (as vkdsl-train's verify pass does)")
+def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit, no_warm, model):
     """Check kernels on the device against float64 references: vkdsl's own, or your cases
     (--cases)."""
     from vkdsl.fileio import atomic_write
     from .verify_report import Target, junit_xml, print_matrix, print_table, run_targets
+    formats = model_formats(model) if model else None
     if all_devices and device is not None:
         raise click.UsageError("--device and --all-devices: give one")
     if all_profiles and _given("profile"):
@@ -94,7 +112,7 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit,
                 G.make_goldens(picked, tmp)
                 root = tmp
             shared = ["--cases", spec, "--no-warm"] + (["--match", match] if match else []) + \
-                (["--golden", root] if root else [])
+                (["--golden", root] if root else []) + (["--model", model] if model else [])
             run_targets(targets, shared)
         if as_json:
             for t in targets:
@@ -108,7 +126,7 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit,
         failed = any(t.error or not t.rows or any(not r.passed for r in t.rows) for t in targets)
     else:
         dev = open_device(device, announce=not as_json)
-        rows, times = run_verify(match, root, repeat_warm=not no_warm, spec=spec)
+        rows, times = run_verify(match, root, repeat_warm=not no_warm, spec=spec, formats=formats)
         from vkdsl.runtime.profiles import named
         prof = named()
         targets = [Target(f"[{dev.info.index}] {dev.info.name}"

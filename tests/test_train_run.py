@@ -202,6 +202,14 @@ def test_the_runs_verify_pass_checks_the_packed_formats_its_model_keeps():
     assert packed_formats(ck, "none") == set() and packed_formats(ck, "nf4") == {"nf4"}
     every, run = verify_cases("fp32", 64), verify_cases("fp32", 64, {"q4_1", "q8_0"})
     fmt = lambda c: c.params.get("fmt") or (c.op[8:] if c.op.startswith("dequant_") else None)
+    # `vkdsl verify --model` keeps the same rows of the whole table
+    from fixtures.cli import run as vkdsl
+    rows = [json.loads(x) for x in vkdsl(["verify", "--json", "--no-warm", "--match", "q",
+                                          "--model", path]).stdout.splitlines()]
+    assert rows.pop()["failed"] == 0
+    from vkdsl.cli.verify import case_pairs
+    want = {c.name for c, _, _ in case_pairs(match="q") if fmt(c) in (None, "q4_1", "q8_0")}
+    assert {r["name"].split(":")[0] for r in rows} == want
     kept = [c.name for c, _, _ in every if fmt(c) in (None, "q4_1", "q8_0")]
     assert [c.name for c, _, _ in run] == kept
     names = {c.name for c, _, _ in run}
