@@ -23,8 +23,6 @@ from vkdsl.train import config as C
 from .common import GATE_FAILED, USER_ERRORS, _set_profile, open_device, user_error_line
 
 TYPES = {bool: None, int: click.INT, float: click.FLOAT, str: click.STRING, list: click.STRING}
-VERIFY_MATCH = ("matmul", "qlinear", "dequant", "rmsnorm", "rope", "attention", "gather", "swiglu",
-                "cross", "tmkl", "lora")
 
 
 def _option(name: str) -> click.Option:
@@ -39,35 +37,6 @@ def _option(name: str) -> click.Option:
     kind = "comma-separated" if isinstance(default, list) else None
     return click.Option([f"--{dash}", name], type=TYPES[type(default)], default=None,
                         metavar=kind.upper().replace("-", "_") if kind else None, help=help_)
-
-
-FP16_ROWS = ("matmul_f16in", "qmatmul_f16in")
-
-
-def verify_cases(precision: str, tokens: int = 1 << 30, formats=None) -> list:
-    """The golden cases of the kernels a run uses: the fp16 matmul rows only at precision fp16, the
-    attention rows no longer than the run's sequences (`tokens`), the rows of a packed weight
-    format only for the formats the run's model keeps (`formats`; None: every format)."""
-    from .verify import case_pairs
-
-    def used(case, arrays, note):
-        if case.op == "attention":
-            return arrays["in0"].shape[0] <= max(tokens, 512)
-        return precision == "fp16" or case.op not in FP16_ROWS
-    return [c for m in VERIFY_MATCH for c in case_pairs(match=m, formats=formats) if used(*c)]
-
-
-def _verify(rep, precision, tokens, formats=None):
-    from vkdsl.cases import verify
-    t0 = time.perf_counter()
-    cases = verify_cases(precision, tokens, formats)
-    rows = verify(cases, repeat_warm=False)[0]
-    bad = [r for r in rows if not r.passed]
-    rep.say(f"verify: {len(rows) - len(bad)}/{len(rows)} kernel checks pass on this device "
-            f"({time.perf_counter() - t0:.1f}s)")
-    if bad:
-        raise SystemExit("verify failed: "
-                         + "; ".join(f"{r.op} {r.name}: {r.note or r.error}" for r in bad[:5]))
 
 
 def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
@@ -197,24 +166,34 @@ def _run(config_path, resume, over, mode="auto", overwrite=False, plan=False) ->
     if cfg.precision == "fp16":             # and so does one with no fp16 matmul
         from vkdsl.matmul import fp16_choice
         say.say("precision fp16: matmul variant %s, %s" % fp16_choice(dev))
-    files = None
+    files, check = None, None
     if cfg.verify:      # the kernels of the formats the model keeps packed, and no others
         from vkdsl.models import load_model_files
         from vkdsl.models.default import default_model_path
         from vkdsl.models.quantized import packed_formats
+        from .verify_pass import VerifyPass
         files = load_model_files(cfg.model or default_model_path())
-        formats = packed_formats(files[0], cfg.quant)
-        _verify(say, cfg.precision, max(cfg.max_len, cfg.window), formats)
+        # in a process of its own beside loading and the base evaluation (under MPI: here, first)
+        check = VerifyPass(cfg.precision, max(cfg.max_len, cfg.window),
+                           packed_formats(files[0], cfg.quant), apart=g.size == 1)
+        if g.size > 1:
+            check.join(say)
+            check = None
     t0 = time.perf_counter()
-    with matmul_precision(cfg.precision):
-        r = run(cfg, out, resume=resume, group=g, files=files)
-        r.devices = devices
-        dpo_ev = dpo_stage(r) if "dpo" in cfg.objective else None
-        if g.root:
-            export(r, dpo_ev)
-        else:
-            import shutil
-            shutil.rmtree(out, ignore_errors=True)
+    try:
+        with matmul_precision(cfg.precision):
+            r = run(cfg, out, resume=resume, group=g, files=files,
+                    before_training=check.join if check else None)
+            r.devices = devices
+            dpo_ev = dpo_stage(r) if "dpo" in cfg.objective else None
+            if g.root:
+                export(r, dpo_ev)
+            else:
+                import shutil
+                shutil.rmtree(out, ignore_errors=True)
+    finally:
+        if check:
+            check.cancel()
     from vkdsl.trace import BUILT
     r.r.outcome(f"run folder: {out}  (total {time.perf_counter() - t0:.0f}s, training "
                 f"{r.train_seconds:.0f}s; "

@@ -254,7 +254,8 @@ def test_a_short_lora_run_at_fp16_learns_and_tracks_fp32(tmp_path):
 def test_vkdsl_train_at_fp16_says_which_kernel_and_verifies_the_fp16_rows(tmp_path, capsys):
     import json
     from fixtures.train_data import tiny_setup
-    from vkdsl.cli.train import main, verify_cases
+    from vkdsl.cli.train import main
+    from vkdsl.cli.verify_pass import verify_cases
     fp16_ops = {"matmul_f16in", "qmatmul_f16in"}
     assert not any(c.op in fp16_ops for c, _, _ in verify_cases("fp32"))
     at16 = verify_cases("fp16")

@@ -191,7 +191,7 @@ def test_the_runs_verify_pass_checks_the_packed_formats_its_model_keeps():
     # the default model: Q4_1 projections and a Q8_0 embedding (the gguf package's own reader says
     # which); the run verifies those formats' kernels, fused LoRA and plain, and no other format's
     import gguf
-    from vkdsl.cli.train import verify_cases
+    from vkdsl.cli.verify_pass import verify_cases
     from vkdsl.models import load_model_files
     from vkdsl.models.default import default_model_path
     from vkdsl.models.quantized import packed_formats
@@ -217,3 +217,70 @@ def test_the_runs_verify_pass_checks_the_packed_formats_its_model_keeps():
                  "dequant_q4_1[", "qgather[q4_1,"):
         assert any(n.startswith(want) for n in names), want
     assert {fmt(c) for c, _, _ in every} > {fmt(c) for c, _, _ in run}      # others were left out
+
+
+def _tiny_run_args(setup, out, *extra):
+    tm, tr, he, pr = setup
+    return ["--model", str(tm.gguf_path), "--train-file", tr, "--heldout-file", he, "--preservation-file", pr,
+            "--labels", "low,medium,high", "--max-len", "64", "--bucket", "16", "--rank", "4", "--steps", "2",
+            "--warmup", "1", "--out", str(out), "--objective", "sft", *extra]
+
+
+def test_the_verify_pass_runs_beside_the_base_evaluation_and_before_the_first_step(setup, tmp_path, capsys,
+                                                                                  monkeypatch):
+    import multiprocessing
+    from vkdsl.cli import verify_pass
+
+    def here(*a, **k):
+        raise AssertionError("the verify pass ran in the run's own process")
+    monkeypatch.setattr(verify_pass, "verify_rows", here)   # a spawned process imports its own
+    assert main(_tiny_run_args(setup, tmp_path / "run")) in (0, 3)   # two steps need not pass the gates
+    lines = capsys.readouterr().out.splitlines()
+    at = lambda text: next(i for i, l in enumerate(lines) if l.startswith(text))
+    # its verdict is taken after the base evaluation, which ran while it did, and before step 1
+    assert at("base evaluation in") < at("verify: ") < at("step 1/2")
+    assert not multiprocessing.active_children()
+
+
+def test_a_failing_verify_row_stops_the_run_before_its_first_step(setup, tmp_path, capsys, monkeypatch):
+    # a golden copy in which one row the run checks expects 1% more than the float64 reference (its
+    # manifest entry rewritten to match): the device disagrees, and no step may train
+    import hashlib
+    import shutil
+    from vkdsl.cli import verify_pass
+    from vkdsl_golden import store
+    root = tmp_path / "golden"
+    shutil.copytree(store.data_dir(1), root / "v1")
+    victim = next(c for c, _, _ in verify_pass.verify_cases("fp32", 64) if c.op == "rmsnorm")
+    manifest = json.loads((root / "v1" / "manifest.json").read_text())
+    entry = next(e for e in manifest["cases"] if e["name"] == victim.name)
+    path = root / "v1" / entry["file"]
+    arrays = dict(np.load(path))
+    arrays["out"] = arrays["out"] * 1.01
+    np.savez(path, **arrays)
+    entry["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (root / "v1" / "manifest.json").write_text(json.dumps(manifest))
+
+    class Planted(verify_pass.VerifyPass):
+        def __init__(self, *a, **k):
+            super().__init__(*a, root=str(root), **k)
+    monkeypatch.setattr(verify_pass, "VerifyPass", Planted)
+    out = tmp_path / "run"
+    assert main(_tiny_run_args(setup, out)) == 1
+    cap = capsys.readouterr()
+    last = cap.err.strip().splitlines()[-1]
+    assert last.startswith(f"vkdsl-train: error: verify failed: rmsnorm {victim.name}") and \
+        last.endswith("nothing was trained"), cap.err
+    assert "base evaluation in" in cap.out and "step 1/" not in cap.out
+    assert not (out / "adapter").exists() and not list(out.glob("checkpoint*"))
+
+
+def test_a_run_that_stops_before_training_leaves_no_verify_process_behind(setup, tmp_path, capsys):
+    import multiprocessing
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "low"}\n{"prompt": \n')
+    args = _tiny_run_args(setup, tmp_path / "run")
+    args[args.index("--train-file") + 1] = str(bad)
+    assert main(args) == 1
+    assert f"{bad}:2" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not multiprocessing.active_children()

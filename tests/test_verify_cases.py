@@ -54,7 +54,7 @@ def test_the_builtin_cases_are_declared_through_the_public_api_and_reproduce_the
 
 
 def test_a_run_verifies_the_long_attention_rows_only_when_its_sequences_are_long():
-    from vkdsl.cli.train import verify_cases
+    from vkdsl.cli.verify_pass import verify_cases
 
     def lengths(tokens):
         return sorted(a["in0"].shape[0] for c, a, _ in verify_cases("fp32", tokens) if c.op == "attention")

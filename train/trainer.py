@@ -43,11 +43,8 @@ class Run:
         self.devices = None  # under MPI: every rank's device, one line each (the manifest's)
         self.cfg, self.dir, self.r = cfg, Path(run_dir), reporter
         self.records = Records(self.dir)
-        path = cfg.model
-        if not path:
-            from vkdsl.models.default import default_model_path
-            path = default_model_path()
-        self.model_path = path
+        from vkdsl.models.default import default_model_path
+        self.model_path = path = cfg.model or default_model_path()
         t0 = time.perf_counter()
         if reuse is not None and (reuse.model_path, reuse.cfg.quant) != (path, cfg.quant):
             reuse = None
@@ -333,11 +330,12 @@ class SftObjective:
 
 
 def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_step=None, reuse=None,
-        final=True, files=None, group=None, plan_only=False):
+        final=True, files=None, group=None, plan_only=False, before_training=None):
     """Returns the Run (its final evidence in .final, gates in .gates). at_step: see Run.train_loop.
     final=False: the base evidence but no final evaluation or gates (a probe measuring at its own
     steps). reuse, files, group: see Run. plan_only: stop after the device-memory plan
-    (train.memplan). Runs under vkdsl.matmul_precision(cfg.precision) (as vkdsl-train does)."""
+    (train.memplan). before_training(reporter): after the base evaluation, before any step (the
+    verify pass's verdict). Runs under vkdsl.matmul_precision(cfg.precision) like vkdsl-train."""
     if cfg.precision != matmul_precision_now():
         raise ValueError(f"precision {cfg.precision} asked for, but matmuls trace at "
                          f"{matmul_precision_now()}: call run() under "
@@ -370,6 +368,8 @@ def run(cfg, run_dir, resume=None, stop_after=None, evidence_at_end=True, at_ste
         r.records.mark_resume(at)
     if evidence_at_end:
         r.base_evidence()
+    if before_training:
+        before_training(rep)
     t0 = time.perf_counter()
     finished = True if cfg.objective == "dpo" else r.train_loop(stop_after, at_step)
     r.train_seconds = time.perf_counter() - t0
