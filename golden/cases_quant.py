@@ -103,4 +103,23 @@ def quant_cases():
                             lambda r, f=fn, m=m, n=n, k=k, b=block: [N(r, (m, k)),
                                                                      f(r, n * k // b).ravel()],
                             (m, n)))
+    # the formats vkdsl packs on load (--quant int4 / nf4), as the references lay them out: random
+    # 4-bit codes two a byte; int4 scales per 64 weights; NF4's int8 block absmaxes (as int32),
+    # one double-quantization scale for up to 256 blocks and the offset
+    for fmt, arrays in [("int4", _int4_arrays), ("nf4", _nf4_arrays)]:
+        n, k = 36, 128
+        for m in (1, 19):
+            out.append(Case(f"qlinear[{fmt},{m}x{n}x{k}]", "qlinear", {"fmt": fmt, "shape": [n, k]},
+                            lambda r, f=arrays, m=m, n=n, k=k: [N(r, (m, k)), *f(r, n, k)],
+                            (m, n)))
     return out
+
+
+def _int4_arrays(r, n, k):
+    return [r.integers(0, 256, (n, k // 2)).astype(np.uint8), U(r, (n, k // 64), 1e-3, 2e-2)]
+
+
+def _nf4_arrays(r, n, k):
+    return [r.integers(0, 256, (n, k // 2)).astype(np.uint8),
+            r.integers(-127, 128, (n * k // 64,)).astype(np.int32), U(r, (1,), 1e-4, 1e-3),
+            U(r, (1,), 0.2, 0.3)]

@@ -73,8 +73,9 @@ def _qlora_linear(ins, p, g):
 
 
 def _qlinear(ins, p, g):
-    """x W^T on a GGUF weight W (N, K), and the input's gradient g W (the product's nn form)."""
-    w = Q.gguf_weight(ins[1], p["fmt"], p["shape"])
+    """x W^T on a packed weight W (N, K) (GGUF bytes, or int4's / NF4's arrays), and the input's
+    gradient g W (the product's nn form)."""
+    w = Q.packed_weight(ins[1:], p["fmt"], tuple(p["shape"]))
     return {"out": R.matmul(ins[0], w, tb=True), **_grads(R.matmul(g, w))}
 
 

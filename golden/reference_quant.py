@@ -15,7 +15,7 @@ __all__ = ["int4_quantize", "int4_dequantize", "int4_roundtrip",
            "NF4_CODEBOOK", "nf4_quantize", "nf4_dequantize", "nf4_roundtrip",
            "pack_nibbles", "unpack_nibbles", "dequant_q8_0", "dequant_q4_0", "dequant_q4_1",
            "dequant_f16", "dequant_q4_k", "dequant_q5_k", "dequant_q6_k", "qmatmul_f16in",
-           "qgather", "gguf_weight"]
+           "qgather", "gguf_weight", "packed_weight"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,6 +276,18 @@ def gguf_weight(raw, fmt: str, shape) -> np.ndarray:
     deq = {"q8_0": dequant_q8_0, "q4_0": dequant_q4_0, "q4_1": dequant_q4_1, "f16": dequant_f16,
            "q4_k": dequant_q4_k, "q5_k": dequant_q5_k, "q6_k": dequant_q6_k}[fmt]
     return deq(raw, tuple(shape))
+
+
+def packed_weight(arrays, fmt: str, shape) -> np.ndarray:
+    """The float64 weight (N, K) of a case's packed arrays: GGUF bytes (one array), int4's
+    (codes, scales) or NF4's (codes, absmax_q, absmax_scale, absmax_offset), laid out as above."""
+    if fmt == "int4":
+        return int4_dequantize(np.asarray(arrays[0], np.uint8), arrays[1]).reshape(shape)
+    if fmt == "nf4":
+        codes, q, scale, offset = arrays
+        return nf4_dequantize(np.asarray(codes, np.uint8), q, scale,
+                              np.reshape(offset, ())).reshape(shape)
+    return gguf_weight(arrays[0], fmt, shape)
 
 
 def qmatmul_f16in(x, raw, fmt: str, shape, form: str) -> np.ndarray:

@@ -217,6 +217,11 @@ def test_the_runs_verify_pass_checks_the_packed_formats_its_model_keeps():
                  "dequant_q4_1[", "qgather[q4_1,"):
         assert any(n.startswith(want) for n in names), want
     assert {fmt(c) for c, _, _ in every} > {fmt(c) for c, _, _ in run}      # others were left out
+    # --quant int4 / nf4 packs the weights on load: the pass checks that format's products
+    for quant in ("int4", "nf4"):
+        picked = {c.name for c, _, _ in verify_cases("fp32", 64, packed_formats(ck, quant))}
+        assert {n for n in picked if n.startswith("qlinear[")} == \
+            {f"qlinear[{quant},1x36x128]", f"qlinear[{quant},19x36x128]"}
 
 
 def _tiny_run_args(setup, out, *extra):

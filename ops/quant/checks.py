@@ -14,7 +14,7 @@ import vkdsl
 from vkdsl.precision import matmul_precision
 from vkdsl.verify import fp16_unsupported, register
 
-from .formats import NF4_GROUP, QuantizedWeight, from_gguf, unpack_nibbles
+from .formats import NF4_GROUP, QuantizedWeight, from_gguf, pack_nibbles, unpack_nibbles
 from .gather import qgather
 from .linear import dequant, packed_arrays, qlinear, qlora_linear
 from .roundtrip import roundtrip
@@ -130,8 +130,28 @@ register("qgather", _qgather, 0.0,
          "dequant_*; the kernel's output is guarded, so a row written past the ids is a failure")
 
 
+def case_weight(arrays, p) -> QuantizedWeight:
+    """A case's packed weight in vkdsl's layout: GGUF bytes (one per int32 element), or the
+    goldens' int4 (codes, scales) / NF4 (codes, absmax_q, scale, offset) arrays re-laid out —
+    GGUF's nibble order, int4 codes offset by 8 — with nothing recomputed."""
+    fmt, shape = p["fmt"], tuple(p["shape"])
+    host = [a.numpy() for a in arrays]
+    if fmt not in ("int4", "nf4"):
+        return from_gguf(host[0].astype(np.uint8), fmt, shape)
+    pairs = host[0].astype(np.uint8)
+    codes = np.stack([pairs & 0xF, pairs >> 4], -1).reshape(shape)   # element 2j: the low nibble
+    if fmt == "int4":                            # two's complement c -> c + 8 is c with bit 3 flipped
+        return QuantizedWeight("int4", shape, (host[1].astype(np.float32).ravel(),
+                                               pack_nibbles(codes ^ 8)))
+    group = np.array([[host[2][0], host[3][0]]], np.float32)     # <= 256 blocks: one group
+    if shape[0] * shape[1] // 64 > NF4_GROUP:
+        raise ValueError(f"an NF4 case of {shape} has more than {NF4_GROUP} blocks: the goldens "
+                         f"keep one offset, vkdsl one per {NF4_GROUP} blocks")
+    return QuantizedWeight("nf4", shape, (host[1].astype(np.int8), group, pack_nibbles(codes)))
+
+
 def _qlinear(i, p):
-    qw = from_gguf(i[1].numpy().astype(np.uint8), p["fmt"], tuple(p["shape"]))
+    qw = case_weight(i[1:], p)
     return qlinear(i[0], packed_arrays(qw, qw.fmt), qw.fmt, qw.shape)
 
 

@@ -184,7 +184,7 @@ def from_gguf(data: np.ndarray, qtype, shape=None) -> QuantizedWeight:
     return QuantizedWeight(f.name, (N, K), tuple(blocks[:, a:b] for a, b in _BLOCK_ARRAYS[f.name]))
 
 
-def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """codes (..., 32) in 0..15 -> 16 bytes per range, GGUF order (byte j: element j, j + 16)."""
     c = codes.reshape(-1, 32).astype(np.uint8)
     return (c[:, :16] | (c[:, 16:] << 4)).astype(np.uint8)
@@ -216,7 +216,7 @@ def quantize_int4(w: np.ndarray, scale_dtype=np.float32) -> QuantizedWeight:
     div = np.where(s > 0, s, np.float32(1))
     codes = np.clip(np.rint(g / div[:, None]), -8, 7).astype(np.int32) + 8
     scales = s.astype(np.float16) if fmt == "int4_f16" else s
-    return QuantizedWeight(fmt, w.shape, (scales, _pack_nibbles(codes)))
+    return QuantizedWeight(fmt, w.shape, (scales, pack_nibbles(codes)))
 
 
 def quantize_nf4(w: np.ndarray) -> QuantizedWeight:
@@ -238,7 +238,7 @@ def quantize_nf4(w: np.ndarray) -> QuantizedWeight:
         acodes[first:first + len(a)] = np.clip(np.rint((a - offset) / div), -127,
                                                127).astype(np.int8)
         group[i] = scale, offset
-    return QuantizedWeight("nf4", w.shape, (acodes, group, _pack_nibbles(codes)))
+    return QuantizedWeight("nf4", w.shape, (acodes, group, pack_nibbles(codes)))
 
 
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
