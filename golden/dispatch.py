@@ -65,11 +65,13 @@ def _lora_linear(ins, p, g):
 
 
 def _qlora_linear(ins, p, g):
-    """A LoRA layer on a GGUF weight W (N, K): x W^T + s (x A) B; W is frozen (no gradient)."""
-    x, raw, a, b = ins
-    wt = Q.gguf_weight(raw, p["fmt"], p["shape"]).T
+    """A LoRA layer on a packed weight W (N, K): x W^T + s (x A) B; W is frozen (no gradient).
+    Inputs: x, W's arrays (PACKED_ARRAYS), A, B."""
+    n = PACKED_ARRAYS.get(p["fmt"], 1)
+    x, a, b = ins[0], ins[1 + n], ins[2 + n]
+    wt = Q.packed_weight(ins[1:1 + n], p["fmt"], tuple(p["shape"])).T
     dx, _, da, db = T.lora_linear_backward(x, wt, a, b, p["s"], g)
-    return {"out": T.lora_linear(x, wt, a, b, p["s"]), **_grads(dx, None, da, db)}
+    return {"out": T.lora_linear(x, wt, a, b, p["s"]), **_grads(dx, *[None] * n, da, db)}
 
 
 def _qlinear(ins, p, g):
@@ -173,6 +175,17 @@ GRAD_INPUTS = {"cross_entropy": (0,), "lora_linear": (0, 1, 2, 3), "qlora_linear
                "gated_delta": (0, 1, 2, 3, 4), "tri_inverse": (0,), "kl": (0, 1), "tmkl": (0, 1),
                "dpo": (0, 1, 2, 3)}
 BACKWARD_OPS = frozenset(GRAD_INPUTS)
+# a packed weight is one input of GGUF bytes, or these many arrays (reference_quant's layouts)
+PACKED_ARRAYS = {"int4": 2, "nf4": 4}
+
+
+def grad_inputs(op: str, params: dict) -> tuple:
+    """The inputs whose gradients a case of op stores: GRAD_INPUTS, but qlora_linear's A and B
+    come after however many arrays its weight's format has."""
+    if op == "qlora_linear":
+        a = 1 + PACKED_ARRAYS.get(params["fmt"], 1)
+        return 0, a, a + 1
+    return GRAD_INPUTS.get(op, ())
 
 OPS: dict[str, Callable] = {**PHASE1, **PHASE2}
 
@@ -189,7 +202,7 @@ def evaluate(op: str, inputs: Sequence[np.ndarray], params: dict,
     if gout is not None and np.shape(gout) != res["out"].shape:
         raise ValueError(f"gout shape {np.shape(gout)} differs from out shape {res['out'].shape}")
     grads = tuple(sorted(int(k[len("grad_in"):]) for k in res if k.startswith("grad_in")))
-    if grads != GRAD_INPUTS.get(op, ()):
-        raise ValueError(f"op {op!r} returned gradients of inputs {grads}, GRAD_INPUTS says "
-                         f"{GRAD_INPUTS.get(op)}")
+    if grads != grad_inputs(op, params):
+        raise ValueError(f"op {op!r} returned gradients of inputs {grads}, grad_inputs says "
+                         f"{grad_inputs(op, params)}")
     return res

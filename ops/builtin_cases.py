@@ -9,7 +9,7 @@ import numpy as np
 from vkdsl.cases import Case
 from vkdsl.verify import REGISTRY
 from vkdsl_golden.cases_gpu import every_case
-from vkdsl_golden.dispatch import GRAD_INPUTS, evaluate
+from vkdsl_golden.dispatch import GRAD_INPUTS, evaluate, grad_inputs
 
 
 def _forward(op, gout_shape):
@@ -23,7 +23,7 @@ def _forward(op, gout_shape):
 def _gradients(op):
     def grad_reference(*ins, gout, **params):
         res = evaluate(op, ins, params, gout)
-        return [res[f"grad_in{i}"] for i in GRAD_INPUTS[op]]
+        return [res[f"grad_in{i}"] for i in grad_inputs(op, params)]
     return grad_reference
 
 
@@ -40,7 +40,7 @@ def _case(g) -> Case:
     return Case(g.name, _device(g.op), _forward(g.op, g.gout_shape), g.make,
                 limit=chk.limit if chk else 0.0,
                 reason=chk.reason if chk else "no device implementation", params=g.params,
-                grads=GRAD_INPUTS.get(g.op, ()),
+                grads=grad_inputs(g.op, g.params),
                 grad_reference=_gradients(g.op) if g.op in GRAD_INPUTS else None, op=g.op,
                 unsupported=chk.unsupported if chk else None, where="builtin")
 

@@ -220,8 +220,9 @@ def test_the_runs_verify_pass_checks_the_packed_formats_its_model_keeps():
     # --quant int4 / nf4 packs the weights on load: the pass checks that format's products
     for quant in ("int4", "nf4"):
         picked = {c.name for c, _, _ in verify_cases("fp32", 64, packed_formats(ck, quant))}
-        assert {n for n in picked if n.startswith("qlinear[")} == \
-            {f"qlinear[{quant},1x36x128]", f"qlinear[{quant},19x36x128]"}
+        assert {n for n in picked if n.startswith(("qlinear[", "qlora_linear["))} == \
+            {f"qlinear[{quant},1x36x128]", f"qlinear[{quant},19x36x128]",
+             "qlora_linear[int4,19x40x128,r=8]" if quant == "int4" else "qlora_linear[nf4,25x36x192,r=4]"}
 
 
 def _tiny_run_args(setup, out, *extra):

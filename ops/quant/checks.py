@@ -162,8 +162,8 @@ register("qlinear", _qlinear, 1e-8,
 
 
 def _qlora(i, p):
-    qw = from_gguf(i[1].numpy().astype(np.uint8), p["fmt"], tuple(p["shape"]))
-    return qlora_linear(i[0], packed_arrays(qw, qw.fmt), qw.fmt, qw.shape, i[2], i[3], p["s"])
+    qw = case_weight(i[1:-2], p)                    # x, the weight's arrays, A, B
+    return qlora_linear(i[0], packed_arrays(qw, qw.fmt), qw.fmt, qw.shape, i[-2], i[-1], p["s"])
 
 
 register("qlora_linear", _qlora, 1e-8,
