@@ -38,10 +38,13 @@ def verify_rows(precision, tokens, formats, root=None) -> list:
 def _child(send, precision, tokens, formats, root):
     """The pass in its own process: its rows, or one line saying why there are none."""
     try:
+        from vkdsl.runtime.pipeline_cache import PipelineCache
         from .common import open_device
         t0 = time.perf_counter()
-        open_device(None, announce=False)
+        dev = open_device(None, announce=False)
+        dev.pipeline_cache = PipelineCache(dev, part="verify")  # the run's process saves its own
         rows = verify_rows(precision, tokens, formats, root)
+        dev.pipeline_cache.save(dev)                # a process of multiprocessing runs no atexit
         send.send(("rows", rows, time.perf_counter() - t0))
     except BaseException as e:              # the parent reports it; a traceback here helps no one
         send.send(("error", f"{type(e).__name__}: {e}", 0.0))

@@ -290,3 +290,24 @@ def test_a_run_that_stops_before_training_leaves_no_verify_process_behind(setup,
     assert main(args) == 1
     assert f"{bad}:2" in capsys.readouterr().err.strip().splitlines()[-1]
     assert not multiprocessing.active_children()
+
+
+def test_the_verify_pass_keeps_a_pipeline_cache_file_of_its_own(tmp_path, monkeypatch, capfd):
+    # the run's process and its verify pass each write the driver's pipeline cache at the end; one
+    # file each, or the later writer would drop the other's pipelines (a driver without a disk
+    # cache of its own would rebuild them every run). A damaged file at the pass's path is what
+    # the pass reads (said in one line) and the run's own file is not.
+    import os
+    from vkdsl.cli.verify_pass import VerifyPass
+    from vkdsl.runtime import default_device
+    from vkdsl.runtime.pipeline_cache import cache_path
+    monkeypatch.setenv("VKDSL_CACHE_DIR", str(tmp_path))
+    pd = default_device().info.handle
+    mine = cache_path(pd, "verify")
+    assert mine != cache_path(pd) and os.path.dirname(mine) == os.path.dirname(cache_path(pd))
+    os.makedirs(os.path.dirname(mine))
+    with open(mine, "wb") as f:
+        f.write(b"\x07" * 11)
+    VerifyPass("fp32", 64, {"q8_0"}).join(Reporter(None, True, False))
+    said = [l for l in capfd.readouterr().err.splitlines() if "pipeline cache" in l]
+    assert said == [f"vkdsl: pipeline cache {mine} is damaged or from another driver; rebuilding it"]

@@ -26,16 +26,16 @@ def _identity(pd) -> tuple[int, int, int, bytes]:
     return p.vendorID, p.deviceID, p.driverVersion, bytes(p.pipelineCacheUUID)
 
 
-def cache_path(pd) -> str:
+def cache_path(pd, part: str = "") -> str:
     from ..compiler.cache import cache_dir
     vendor, device, driver, uuid = _identity(pd)
-    return os.path.join(cache_dir(), "pipelines",
-                        f"{vendor:04x}-{device:04x}-{driver:08x}-{uuid.hex()}.bin")
+    return os.path.join(cache_dir(), "pipelines", f"{vendor:04x}-{device:04x}-{driver:08x}-"
+                        f"{uuid.hex()}{'-' + part if part else ''}.bin")
 
 
-def load(pd) -> bytes:
+def load(pd, part: str = "") -> bytes:
     """The saved cache for this device and driver, or b"" (none yet, or not usable: said once)."""
-    path = cache_path(pd)
+    path = cache_path(pd, part)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -57,11 +57,12 @@ def load(pd) -> bytes:
 
 class PipelineCache:
     """A VkPipelineCache seeded from disk; written back at exit when the driver put pipelines in
-    it."""
+    it. part: a file of its own, for a process that runs beside another on the same device (the
+    run's verify pass), so that neither replaces the pipelines the other saved."""
 
-    def __init__(self, device):
+    def __init__(self, device, part: str = ""):
         pd = device.info.handle
-        self.path, data = cache_path(pd), load(pd)
+        self.path, data = cache_path(pd, part), load(pd, part)
         self._seeded = len(data)
         info = vk.VkPipelineCacheCreateInfo(initialDataSize=len(data),
                                             pInitialData=vk.ffi.from_buffer(data) if data
