@@ -140,7 +140,7 @@ def case_weight(arrays, p) -> QuantizedWeight:
         return from_gguf(host[0].astype(np.uint8), fmt, shape)
     pairs = host[0].astype(np.uint8)
     codes = np.stack([pairs & 0xF, pairs >> 4], -1).reshape(shape)   # element 2j: the low nibble
-    if fmt == "int4":                            # two's complement c -> c + 8 is c with bit 3 flipped
+    if fmt == "int4":                   # two's complement c -> c + 8: c with bit 3 flipped
         return QuantizedWeight("int4", shape, (host[1].astype(np.float32).ravel(),
                                                pack_nibbles(codes ^ 8)))
     group = np.array([[host[2][0], host[3][0]]], np.float32)     # <= 256 blocks: one group
