@@ -45,9 +45,13 @@ def _child(send, precision, tokens, formats, root):
         dev.pipeline_cache = PipelineCache(dev, part="verify")  # the run's process saves its own
         rows = verify_rows(precision, tokens, formats, root)
         dev.pipeline_cache.save(dev)                # a process of multiprocessing runs no atexit
-        send.send(("rows", rows, time.perf_counter() - t0))
+        result = ("rows", rows, time.perf_counter() - t0)
     except BaseException as e:              # the parent reports it; a traceback here helps no one
-        send.send(("error", f"{type(e).__name__}: {e}", 0.0))
+        result = ("error", f"{type(e).__name__}: {e}", 0.0)
+    try:
+        send.send(result)
+    except OSError:                         # the run is gone (killed, or stopped on an error)
+        pass
     finally:
         send.close()
 

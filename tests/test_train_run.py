@@ -311,3 +311,12 @@ def test_the_verify_pass_keeps_a_pipeline_cache_file_of_its_own(tmp_path, monkey
     VerifyPass("fp32", 64, {"q8_0"}).join(Reporter(None, True, False))
     said = [l for l in capfd.readouterr().err.splitlines() if "pipeline cache" in l]
     assert said == [f"vkdsl: pipeline cache {mine} is damaged or from another driver; rebuilding it"]
+
+
+def test_a_verify_pass_whose_run_is_gone_ends_quietly(capfd):
+    # the run killed or stopped before its verdict: the pass's process finishes without a traceback
+    from vkdsl.cli.verify_pass import VerifyPass
+    check = VerifyPass("fp32", 64, {"q8_0"})
+    check.recv.close()
+    check.proc.join(600)
+    assert check.proc.exitcode == 0 and "Traceback" not in capfd.readouterr().err
