@@ -91,9 +91,8 @@ class VerifyPass:
         rep.say(f"verify: {len(rows) - len(bad)}/{len(rows)} kernel checks pass on this device "
                 f"({seconds:.1f}s{self.where})")
         if bad:
-            raise TrainingStopped("verify failed: "
-                             + "; ".join(f"{r.op} {r.name}: {r.note or r.error}" for r in bad[:5])
-                             + "; nothing was trained")
+            named = "; ".join(f"{r.op} {r.name}: {r.note or r.error}" for r in bad[:5])
+            raise TrainingStopped(f"verify failed: {named}; nothing was trained")
 
     def cancel(self):
         """The run ended before join (an error): the pass has nothing left to guard."""

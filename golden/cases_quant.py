@@ -106,13 +106,14 @@ def quant_cases():
     # the formats vkdsl packs on load (--quant int4 / nf4), as the references lay them out: random
     # 4-bit codes two a byte; int4 scales per 64 weights; NF4's int8 block absmaxes (as int32),
     # one double-quantization scale for up to 256 blocks and the offset. Plain and with LoRA.
+    n, k = 36, 128
+    for fmt, arrays in [("int4", _int4_arrays), ("nf4", _nf4_arrays)]:
+        for m in (1, 19):
+            out.append(Case(f"qlinear[{fmt},{m}x{n}x{k}]", "qlinear", {"fmt": fmt, "shape": [n, k]},
+                            lambda r, f=arrays, m=m, n=n, k=k: [N(r, (m, k)), *f(r, n, k)],
+                            (m, n)))
     for fmt, arrays, (m, n, k, rank), s in [("int4", _int4_arrays, (19, 40, 128, 8), 2.0),
                                             ("nf4", _nf4_arrays, (25, 36, 192, 4), 0.5)]:
-        for rows in (1, 19):
-            out.append(Case(f"qlinear[{fmt},{rows}x36x128]", "qlinear",
-                            {"fmt": fmt, "shape": [36, 128]},
-                            lambda r, f=arrays, m=rows: [N(r, (m, 128)), *f(r, 36, 128)],
-                            (rows, 36)))
         out.append(Case(f"qlora_linear[{fmt},{m}x{n}x{k},r={rank}]", "qlora_linear",
                         {"fmt": fmt, "shape": [n, k], "s": s},
                         lambda r, f=arrays, m=m, n=n, k=k, q=rank: [

@@ -143,10 +143,10 @@ def case_weight(arrays, p) -> QuantizedWeight:
     if fmt == "int4":                   # two's complement c -> c + 8: c with bit 3 flipped
         return QuantizedWeight("int4", shape, (host[1].astype(np.float32).ravel(),
                                                pack_nibbles(codes ^ 8)))
-    group = np.array([[host[2][0], host[3][0]]], np.float32)     # <= 256 blocks: one group
     if shape[0] * shape[1] // 64 > NF4_GROUP:
         raise ValueError(f"an NF4 case of {shape} has more than {NF4_GROUP} blocks: the goldens "
                          f"keep one offset, vkdsl one per {NF4_GROUP} blocks")
+    group = np.array([[host[2][0], host[3][0]]], np.float32)     # (scale, offset) of one group
     return QuantizedWeight("nf4", shape, (host[1].astype(np.int8), group, pack_nibbles(codes)))
 
 
