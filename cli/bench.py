@@ -6,13 +6,15 @@ import importlib
 
 import click
 
-from .common import Commands, device_option, echo_rows, json_option, open_device
+from .common import (Commands, Finite, device_option, echo_rows, json_option, open_device,
+                     positive_ints)
 
 # name -> (module:function, help, extra options)
 BENCHES = {
     "matmul": ("vkdsl.bench:bench_matmul",
                "Matmul GFLOP/s on the device and numpy fp32's, and their ratio.",
                [click.Option(["--sizes"], default="256,512,1024,2048", show_default=True,
+                             callback=positive_ints,
                              help="comma-separated n for n x n x n"),
                 click.Option(["--precision"], type=click.Choice(["fp32", "fp16"]), default="fp32",
                              show_default=True,
@@ -48,15 +50,18 @@ BENCHES = {
                click.Option(["--targets"], default="qv,all", show_default=True,
                             help="which SFT rows: adapters on q,v (qv), on all seven "
                                  "projections (all)"),
-               click.Option(["--steps"], default=0, show_default=True,
+               click.Option(["--steps"], type=click.IntRange(min=0), default=0,
+                            show_default=True,
                             help="SFT steps timed after the warm-up, all on the same batch, every "
                                  "loss listed (0: 2, or 1 above 2048 tokens)"),
-               click.Option(["--lr"], default=1e-4, show_default=True,
+               click.Option(["--lr"], type=Finite(min=0.0, min_open=True), default=1e-4,
+                            show_default=True,
                             help="the SFT rows' learning rate")]),
     "parallel": ("vkdsl.train.parallel_bench:bench_parallel",
                  "Data-parallel SFT step (run under mpirun -np P): compute vs all-reduce seconds, "
                  "ring bytes.",
-                 [click.Option(["--steps"], default=6, show_default=True,
+                 [click.Option(["--steps"], type=click.IntRange(min=1), default=6,
+                               show_default=True,
                                help="steps timed after one warm-up")]),
     "ops": ("vkdsl.ops.bench:bench_ops",
             "LoRA linear, softmax + CE, Q4_1 matmul and attention, forward and backward, "
@@ -69,7 +74,7 @@ BENCHES = {
 
 def _arguments(name, kw):
     if name == "matmul":
-        return (tuple(int(s) for s in kw["sizes"].split(",")), kw["precision"])
+        return (kw["sizes"], kw["precision"])
     if name == "model":
         return (kw["model_path"],)
     if name == "train":
@@ -87,7 +92,13 @@ def _command(name, target, help_, options):
             pick_device(group("auto"))
         open_device(device, announce=not as_json)
         module, fn = target.split(":")
-        rows = getattr(importlib.import_module(module), fn)(*_arguments(name, kw))
+        try:
+            rows = getattr(importlib.import_module(module), fn)(*_arguments(name, kw))
+        except RuntimeError as e:   # a step's non-finite loss (train.loop): one line, as in a run
+            stopped = importlib.import_module("vkdsl.train.loop").TrainingStopped
+            if not isinstance(e, stopped):
+                raise
+            raise click.ClickException(str(e)) from None
         echo_rows(rows if isinstance(rows, list) else [rows], as_json)
     cmd = json_option(device_option(run))
     cmd = click.command(name, help=help_)(cmd)

@@ -3,6 +3,7 @@ and the model option."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import click
@@ -18,6 +19,30 @@ USER_ERRORS = (ValueError, OSError, DeviceNotFound, VulkanError, NoCompiler)
 # (click's),
 # 3 the job ran to the end and a gate (or a probe's expectation) failed.
 GATE_FAILED = 3
+
+
+class Finite(click.FloatRange):
+    """A float option within a range that also refuses nan and inf (click's FloatRange lets nan
+    through: every comparison with it is false)."""
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
+def positive_ints(ctx, param, value):
+    """A callback: a comma-separated list of integers >= 1 (e.g. --sizes 256,512)."""
+    try:
+        out = tuple(int(s) for s in value.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise click.BadParameter(f"{value!r}: expected comma-separated integers >= 1, e.g. 256,512",
+                                 ctx, param)
+    return out
 
 
 def user_error_line(e: BaseException) -> str:

@@ -9,7 +9,7 @@ import numpy as np
 
 from vkdsl.fileio import atomic_write
 
-from .common import device_option, model_option, open_device
+from .common import Finite, device_option, model_option, open_device
 
 COMMANDS = ("tokenize", "logits", "generate", "merge", "info")
 
@@ -85,10 +85,12 @@ def logits(device, model_path, prompt, out, chat, adapter, force):
 @model_option
 @click.option("--prompt", required=True)
 @click.option("--chat", is_flag=True, help="wrap the prompt in the model's chat template")
-@click.option("--max-new-tokens", default=64, show_default=True)
-@click.option("--temperature", default=0.0, show_default=True, help="0 = greedy")
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--seed", default=0, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=64, show_default=True)
+@click.option("--temperature", type=Finite(min=0.0), default=0.0, show_default=True,
+              help="0 = greedy")
+@click.option("--top-p", type=Finite(0.0, 1.0, min_open=True), default=1.0, show_default=True,
+              help="sample from the smallest set of tokens whose probability reaches this")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--stats", is_flag=True, help="report speed and the weights' device memory")
 @click.option("--adapter", default=None,
               help="LoRA adapter (vkdsl run folder, PEFT folder or GGUF adapter)")

@@ -148,6 +148,13 @@ class Generator:
     def generate(self, ids: list[int], max_new: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop: set | None = None, on_token=None):
         """Returns (new ids, stats). Greedy when temperature == 0."""
+        for bad, what in ((max_new < 0, f"max_new {max_new}: expected >= 0"),
+                          (not 0 <= temperature < math.inf,
+                           f"temperature {temperature}: expected a finite number >= 0"),
+                          (not 0 < top_p <= 1, f"top_p {top_p}: expected 0 < top_p <= 1"),
+                          (seed < 0, f"seed {seed}: expected >= 0")):
+            if bad:
+                raise ValueError(f"generate: {what}")
         rng = np.random.default_rng(seed)
         t0 = time.perf_counter()
         logits = self.logits_prefill(ids, last_only=True)[-1]

@@ -125,3 +125,70 @@ def test_a_damaged_run_config_names_the_file(tmp_path, capsys):
 def test_bench_train_shape_and_targets_are_one_line_errors(args, want):
     p = vkdsl(["bench", "train", "--plan", *args])
     assert p.returncode != 0 and want in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args,want", [
+    (["generate", "--prompt", "hi", "--max-new-tokens", "-1"], "'--max-new-tokens': -1 is not in the range x>=0"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "'--temperature': -1.0 is not in the range x>=0.0"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], "'--temperature': 'nan' is not a finite number"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "'--top-p': 0.0 is not in the range 0.0<x<=1.0"),
+    (["generate", "--prompt", "hi", "--top-p", "1.5"], "'--top-p': 1.5 is not in the range 0.0<x<=1.0"),
+    (["generate", "--prompt", "hi", "--top-p", "nan"], "'--top-p': 'nan' is not a finite number"),
+    (["generate", "--prompt", "hi", "--seed", "-1"], "'--seed': -1 is not in the range x>=0"),
+    (["bench", "matmul", "--sizes", "abc"], "'--sizes': 'abc': expected comma-separated integers >= 1"),
+    (["bench", "matmul", "--sizes", "256,0"], "'--sizes': '256,0': expected comma-separated integers >= 1"),
+    (["bench", "matmul", "--sizes", ""], "'--sizes': '': expected comma-separated integers >= 1"),
+    (["bench", "train", "--steps", "-1"], "'--steps': -1 is not in the range x>=0"),
+    (["bench", "train", "--lr", "nan"], "'--lr': 'nan' is not a finite number"),
+    (["bench", "train", "--lr", "0"], "'--lr': 0.0 is not in the range x>0.0"),
+    (["bench", "parallel", "--steps", "0"], "'--steps': 0 is not in the range x>=1")],
+    ids=lambda a: "_".join(a) if isinstance(a, list) else None)
+def test_numeric_options_out_of_range_are_refused_before_any_work(args, want):
+    # once a sampler's nan probabilities, a negative seed's numpy message, a matmul with no rows
+    # or a benchmark row of inf seconds; now click refuses the value, naming the option
+    from click.testing import CliRunner
+    from vkdsl.cli import main as vkdsl_main
+    res = CliRunner().invoke(vkdsl_main, args)
+    assert res.exit_code == 2 and want in res.output and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("kw,want", [({"max_new": -1}, "max_new -1: expected >= 0"),
+                                     ({"temperature": float("nan")}, "temperature nan: expected a finite"),
+                                     ({"temperature": float("inf")}, "temperature inf: expected a finite"),
+                                     ({"top_p": 0.0}, "top_p 0.0: expected 0 < top_p <= 1"),
+                                     ({"top_p": float("nan")}, "top_p nan: expected 0 < top_p <= 1"),
+                                     ({"seed": -2}, "seed -2: expected >= 0")])
+def test_generate_refuses_bad_sampling_settings_before_any_work(tiny_model, kw, want):
+    from vkdsl.models import load_checkpoint
+    from vkdsl.models.generate import Generator
+    from vkdsl.models.llama import Llama
+    gen = Generator(Llama(load_checkpoint(tiny_model.gguf_path)), 16)
+    args = {"max_new": 2, **kw}
+    with pytest.raises(ValueError, match=re.escape(want)):
+        gen.generate([1, 2, 3], args.pop("max_new"), **args)
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("seed", -1, "seed must be >= 0"), ("data_seed", -1, "data_seed must be >= 0"),
+    ("eval_batch", 0, "eval_batch must be >= 1"),
+    ("merge_check_rows", -1, "merge_check_rows must be >= 0"),
+    ("gate_heldout_acc", 2.0, "gate_heldout_acc must be in [0, 1]"),
+    ("gate_dpo_pair_acc", -0.5, "gate_dpo_pair_acc must be in [0, 1]"),
+    ("gate_preservation", -1.0, "gate_preservation must be >= 0"),
+    ("gate_merge", -0.01, "gate_merge must be >= 0")])
+def test_settings_a_run_could_not_use_are_refused_before_it_starts(field, value, want):
+    # each once went through: numpy's "expected non-negative integer" for a seed, a matmul with
+    # no rows (eval_batch 0), a 256 MB buffer from rows[:-1], or a gate that could never pass
+    with pytest.raises(ConfigError, match=re.escape(f"config: {want}")):
+        TrainConfig(**{field: value}).validate()
+    TrainConfig(**{field: {"seed": 0, "data_seed": 0, "eval_batch": 1, "merge_check_rows": 0}.get(
+        field, 0.0)}).validate()                        # the edge of each rule is allowed
+
+
+@pytest.mark.parametrize("make", ["missing", "folder"])
+def test_an_unreadable_data_file_is_named_with_why(tmp_path, make):
+    path = tmp_path / "rows.jsonl"
+    if make == "folder":
+        path.mkdir()
+    with pytest.raises(DataError, match=re.escape(f"{path}: cannot read it (")):
+        load_examples(path, None, True, 64, "left")    # refused before any row needs a tokenizer

@@ -125,8 +125,8 @@ class TrainConfig:
     eps: float = setting(1e-08, "AdamW epsilon", above=0)
     weight_decay: float = setting(0.0, "AdamW decoupled weight decay", at_least=0)
     clip: float = setting(1.0, "global gradient-norm clip; 0 = none", at_least=0)
-    seed: int = setting(0, "adapter initialization seed")
-    data_seed: int = setting(0, "data order seed")
+    seed: int = setting(0, "adapter initialization seed", at_least=0)
+    data_seed: int = setting(0, "data order seed", at_least=0)
     # preference stage (DPO)
     objective: str = setting("sft+dpo", "sft, dpo or sft+dpo (SFT then DPO)",
         one_of=("sft", "dpo", "sft+dpo"))
@@ -145,10 +145,11 @@ class TrainConfig:
     # evidence, checkpoints, output
     eval_every: int = setting(0, "steps between held-out evaluations; 0 = only at the end",
         at_least=0)
-    eval_batch: int = setting(8, "rows per evaluation batch")
+    eval_batch: int = setting(8, "rows per evaluation batch", at_least=1)
     checkpoint_every: int = setting(10, "steps between checkpoints; 0 = only at the end",
         at_least=0)
-    merge_check_rows: int = setting(2, "rows on which merged and separate logits are compared")
+    merge_check_rows: int = setting(2, "rows on which merged and separate logits are compared "
+        "(0 = skip)", at_least=0)
     format_tokens: int = setting(8, "format surface: tokens generated greedily for each failure "
         "shown", at_least=1)
     format_examples: int = setting(3, "format surface: failures generated verbatim and shown (0 = "
@@ -157,16 +158,17 @@ class TrainConfig:
         "adapter on the base dequantized to fp32 (0 = skip)", at_least=0)
     # gates
     gate_heldout_acc: float = setting(0.5, "gate: held-out label accuracy must exceed this, and "
-        "its Wilson 95% lower bound the base model's accuracy")
+        "its Wilson 95% lower bound the base model's accuracy", at_least=0, at_most=1)
     gate_dpo_pair_acc: float = setting(0.5, "gate: DPO held-out pair accuracy (chosen above "
-        "rejected) must exceed this")
+        "rejected) must exceed this", at_least=0, at_most=1)
     gate_dpo_task_drop: float = setting(0.0625, "gate: held-out label accuracy after DPO may be "
         "this much below after SFT (2 of 32 rows)", at_least=0, at_most=1)
     gate_preservation: float = setting(0.1, "gate: preservation loss may rise at most this "
-        "(nats/token)")
+        "(nats/token)", at_least=0)
     gate_train_drop: float = setting(0.0, "gate: the final train loss must be below the first by "
         "more than this")
-    gate_merge: float = setting(0.01, "gate: merged-vs-separate max logit difference")
+    gate_merge: float = setting(0.01, "gate: merged-vs-separate max logit difference",
+        at_least=0)
     gate_format: float = setting(0.9, "gate: share of held-out prompts whose greedy output is "
         "exactly one label then end-of-turn", at_least=0, at_most=1)
     gate_calibration: float = setting(0.25, "gate: expected calibration error of the label "

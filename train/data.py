@@ -35,7 +35,10 @@ class Example:
 def text_lines(path):
     """(line number, text) of a UTF-8 file; bytes that are not UTF-8 are a DataError naming the
     file, line and column."""
-    raw = Path(path).read_bytes()
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:        # missing, a folder, unreadable: the path and why, not errno's form
+        raise DataError(f"{path}: cannot read it ({e.strerror})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
