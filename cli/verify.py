@@ -126,6 +126,8 @@ def verify(device, as_json, spec, match, root, all_devices, all_profiles, junit,
         failed = any(t.error or not t.rows or any(not r.passed for r in t.rows) for t in targets)
     else:
         dev = open_device(device, announce=not as_json)
+        if not picked_cases(spec, match, formats):      # not a table of nothing that "fails"
+            raise click.ClickException(f"{spec}: no case matches {match!r}")
         rows, times = run_verify(match, root, repeat_warm=not no_warm, spec=spec, formats=formats)
         from vkdsl.runtime.profiles import named
         prof = named()

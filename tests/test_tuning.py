@@ -182,7 +182,8 @@ def test_cpu_names_the_vendor_and_model_of_proc_cpuinfo():
     assert tuning.cpu() == f"{field['vendor_id']} {field['model name']}"
 
 
-@pytest.mark.parametrize("arg", ["matmul:nt:8x8", "qmatmul:q4_1:tn:8x8x8", "conv:nt:8x8x8"])
+@pytest.mark.parametrize("arg", ["matmul:nt:8x8", "qmatmul:q4_1:tn:8x8x8", "conv:nt:8x8x8",
+                                 "matmul:nn:0x8x8"])
 def test_a_bad_shape_is_one_line(arg):
     p = vkdsl(["tune", "--shape", arg])
     assert p.returncode == 2 and "expected OP:FORM:MxNxK" in p.stderr and "Traceback" not in p.stderr

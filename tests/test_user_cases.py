@@ -226,3 +226,25 @@ CASES = [Case("softplus[300]", softplus, lambda x: np.logaddexp(0, x), draw, 1e-
     rows = {r["name"]: r for r in map(json.loads, p.stdout.splitlines()) if "name" in r}
     assert p.returncode == 0, p.stdout
     assert set(rows) == {"softplus[300]", "softplus[300,grad]", "softplus[300,grad]:grad_in0"}
+
+
+@pytest.mark.parametrize("make, expected", [
+    ("json", "{p}: a case file is Python (.py) with a CASES list"),
+    ("missing", "{p}: no such case file"),
+    ("module", "no_such_cases_module: no such case file (.py) or importable module")])
+def test_a_case_spec_that_is_no_python_is_named_as_such(tmp_path, make, expected):
+    # once "AttributeError: 'NoneType' object has no attribute 'loader'" or "No module named '/x'"
+    from vkdsl import cases as C
+    p = tmp_path / "cases.json"
+    if make == "json":
+        p.write_text("[]")
+    spec = "no_such_cases_module" if make == "module" else str(p)
+    with pytest.raises(C.CaseError) as e:
+        C.load(spec)
+    assert str(e.value).startswith(expected.format(p=p)), e.value
+
+
+def test_a_match_that_picks_no_case_says_so(tmp_path):
+    p = vkdsl(["verify", "--match", "no-case-is-called-this"])
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert last_line(p) == "Error: builtin: no case matches 'no-case-is-called-this'"

@@ -98,9 +98,12 @@ def load(spec: str) -> list[Case]:
     path = Path(spec)
     where = str(spec)
     try:
-        if path.suffix == ".py" or path.exists():
+        if path.suffix == ".py" or path.exists() or "/" in spec:
             if not path.is_file():
                 raise CaseError(f"{spec}: no such case file")
+            if path.suffix != ".py":
+                raise CaseError(f"{spec}: a case file is Python (.py) with a CASES list or "
+                                f"module-level vkdsl.cases.Case values")
             name = f"vkdsl_user_cases_{zlib.crc32(str(path.resolve()).encode()):08x}"
             mod_spec = importlib.util.spec_from_file_location(name, path)
             mod = importlib.util.module_from_spec(mod_spec)
@@ -111,6 +114,8 @@ def load(spec: str) -> list[Case]:
     except CaseError:
         raise
     except Exception as e:          # the user's file: whatever it raises is one line naming it
+        if isinstance(e, ModuleNotFoundError) and (spec + ".").startswith(f"{e.name}."):
+            raise CaseError(f"{spec}: no such case file (.py) or importable module") from None
         line = _user_line(e, path)
         raise CaseError(f"{where}{line}: the case file does not import: "
                         f"{type(e).__name__}: {e}") from None
