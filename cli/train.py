@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from vkdsl.fileio import make_folder
 from vkdsl.train import config as C
 
 from .common import GATE_FAILED, USER_ERRORS, _set_profile, open_device, user_error_line
@@ -64,8 +65,8 @@ def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
 def _fresh_folder(out: str, overwrite: bool):
     """A new run's folder is empty: a run's records there (config, checkpoint, metrics) would be
     replaced or appended to. --overwrite empties a run folder first, and only a run folder."""
-    path = Path(out)
-    if not path.is_dir() or not any(path.iterdir()):
+    path = make_folder(out)                 # a file in its way is one line now, not mid-run
+    if not any(path.iterdir()):
         return
     leftovers = {p.name for p in path.iterdir()} <= {"train.log"}  # a run killed before config.json
     if not overwrite:

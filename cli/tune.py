@@ -19,8 +19,9 @@ def _shape(text: str) -> tuple:
     m = SHAPE.match(text)
     if (not m or (m.group(1) != "matmul" and m.group(2) not in ("nt", "nn"))
             or 0 in (int(m.group(i)) for i in (3, 4, 5))):
-        raise click.BadParameter(f"{text!r}: expected OP:FORM:MxNxK (each >= 1), e.g. matmul:nt:1024x8x576 or "
-                                 f"qmatmul:q4_1:nt:1024x576x576 (qmatmul forms: nt, nn)",
+        raise click.BadParameter(f"{text!r}: expected OP:FORM:MxNxK (each >= 1), e.g. "
+                                 f"matmul:nt:1024x8x576 or qmatmul:q4_1:nt:1024x576x576 "
+                                 f"(qmatmul forms: nt, nn)",
                                  param_hint="--shape")
     return (m.group(1), m.group(2), *(int(m.group(i)) for i in (3, 4, 5)))
 

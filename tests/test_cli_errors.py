@@ -192,3 +192,13 @@ def test_an_unreadable_data_file_is_named_with_why(tmp_path, make):
         path.mkdir()
     with pytest.raises(DataError, match=re.escape(f"{path}: cannot read it (")):
         load_examples(path, None, True, 64, "left")    # refused before any row needs a tokenizer
+
+
+def test_a_run_folder_that_cannot_be_made_is_one_line_before_the_run(tmp_path, capsys):
+    # once "[Errno 20] Not a directory: '.../afile/run'" after the model had loaded
+    (tmp_path / "afile").write_text("x")
+    assert main(["--out", str(tmp_path / "afile" / "run"), "--steps", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip().endswith(f"{tmp_path / 'afile' / 'run'}: cannot create this folder "
+                                f"({tmp_path / 'afile'} is a file, not a folder)"), err
+    assert "loaded" not in err and "Traceback" not in err

@@ -309,3 +309,17 @@ def test_max_len_beyond_the_context_and_a_toml_error_at_its_end(setup, tmp_path)
     bad.write_text("steps = 3\nlr = ")
     with pytest.raises(ConfigError, match=re.escape(f"{bad}:2: Invalid value (at end of document)")):
         C.load(bad)
+
+
+def test_an_output_path_under_a_file_or_an_unwritable_folder_is_one_line(tmp_path):
+    # once "[Errno 17] File exists: '...'" naming the blocking file as if it were the output
+    from vkdsl.fileio import atomic_write
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(OSError) as e:
+        atomic_write(tmp_path / "afile" / "sub" / "x.npy", b"data")
+    assert str(e.value) == (f"{tmp_path / 'afile' / 'sub' / 'x.npy'}: cannot write there "
+                            f"({tmp_path / 'afile'} is a file, not a folder)")
+    with pytest.raises(OSError) as e:
+        atomic_write("/proc/vkdsl-test.npy", b"data")
+    assert str(e.value).startswith("/proc/vkdsl-test.npy: cannot write there (")
+    assert not list(tmp_path.glob("afile*/**/*.tmp"))
