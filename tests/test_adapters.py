@@ -13,6 +13,7 @@ argmax everywhere (as tests/test_model_forward.py). Round trips through our own 
 """
 import json
 import math
+import re
 import shutil
 
 import numpy as np
@@ -397,3 +398,61 @@ def test_a_foreign_peft_adapter_without_manifest_loads(adapted, tmp_path):
     model = Llama(adapted["ck"])
     aw = load_adapter(model, folder, adapted["tok"])
     assert aw.manifest is None and len(model.lora) == 14 and aw.alpha == 16.0
+
+
+def _foreign_gguf(src, dst, alpha):
+    """src's tensors re-written as a tool other than vkdsl would: adapter.lora.alpha = alpha and no
+    vkdsl.* keys (so no manifest, no trainer alpha)."""
+    import gguf
+    reader = GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), "llama")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", alpha)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("alpha, scale", [(0.0, 1.0), (2.0 * R, 2.0), (float(R), 1.0)])
+def test_a_gguf_adapter_scales_as_llama_cpp_does_alpha_zero_included(adapted, tmp_path, alpha,
+                                                                     scale):
+    # llama.cpp (src/llama-adapter.h, get_scale): scale = alpha ? alpha / rank : 1. An alpha of 0
+    # once gave scale 0 here: the adapter loaded and changed nothing.
+    from vkdsl.models.adapters import gguf_lora
+    path = _foreign_gguf(adapted["gguf"], tmp_path / "foreign.gguf", alpha)
+    aw = gguf_lora.read(path, Llama(adapted["ck"]).cfg)
+    assert len(aw.modules) == 14 and aw.manifest is None
+    assert {s for _, _, s in aw.modules.values()} == {scale}
+    assert aw.alpha / aw.r == scale
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -1.0])
+def test_a_gguf_adapter_alpha_that_is_no_scale_is_one_line(adapted, tmp_path, alpha):
+    from vkdsl.models.adapters import gguf_lora
+    path = _foreign_gguf(adapted["gguf"], tmp_path / "foreign.gguf", alpha)
+    with pytest.raises(ModelFileError, match=re.escape(
+            f"{path}: adapter.lora.alpha = {alpha!r}, expected a finite number >= 0")):
+        gguf_lora.read(path, Llama(adapted["ck"]).cfg)
+
+
+@pytest.mark.parametrize("key, value, want", [
+    ("lora_alpha", "16", 'lora_alpha = "16", expected a finite number > 0'),
+    ("lora_alpha", float("nan"), "lora_alpha = NaN, expected a finite number > 0"),
+    ("lora_alpha", 0, "lora_alpha = 0, expected a finite number > 0"),
+    ("r", 0, "r = 0, expected an integer >= 1"), ("r", 4.5, "r = 4.5, expected an integer >= 1"),
+    ("r", True, "r = true, expected an integer >= 1"),
+    ("use_rslora", "yes", 'use_rslora = "yes", expected true or false')])
+def test_peft_hyper_parameters_of_the_wrong_kind_are_one_line(adapted, tmp_path, key, value, want):
+    # once "could not convert string to float: '16'", a silent NaN scale, or r = true read as 1
+    folder = tmp_path / "peft"
+    shutil.copytree(adapted["peft"], folder)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    cfg[key] = value
+    (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelFileError, match=re.escape(f"adapter_config.json: {want}")):
+        load_adapter(Llama(adapted["ck"]), folder, adapted["tok"])

@@ -4,12 +4,13 @@ general.type = adapter, adapter.type = lora, adapter.lora.alpha; `blk.{i}.attn_q
 numpy (r, in) (GGUF dims [in, r]), `.lora_b` numpy (out, r) (dims [r, out]), rows in the base GGUF's
 order (llama.cpp applies adapters to the file's weights: Llama's Q/K rows permuted, Qwen's not);
 general.architecture is the base's (llama.cpp refuses an adapter of another). llama.cpp scales by
-alpha / r, so the alpha written is s * r (for rsLoRA that is alpha * sqrt(r)); the trainer's own
-alpha and rsLoRA flag are kept under vkdsl.lora.*. The manifest, when given, is embedded as
-vkdsl.manifest."""
+alpha / r (alpha 0: scale 1), so the alpha written is s * r (rsLoRA: alpha * sqrt(r)); the
+trainer's own alpha and rsLoRA flag are kept under vkdsl.lora.*. The manifest, when given, is
+embedded as vkdsl.manifest."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -91,6 +92,10 @@ def _read(path: Path, cfg) -> "common.AdapterWeights":
     alpha_cpp = key("adapter.lora.alpha")
     if alpha_cpp is None:
         raise ModelFileError(f"{path}: missing key 'adapter.lora.alpha'")
+    if (not isinstance(alpha_cpp, (int, float)) or isinstance(alpha_cpp, bool)
+            or not 0 <= alpha_cpp < math.inf):
+        raise ModelFileError(f"{path}: adapter.lora.alpha = {alpha_cpp!r}, expected a finite "
+                             f"number >= 0")
     parts: dict[str, dict[str, np.ndarray]] = {}
     raw = []
     for t in reader.tensors:
@@ -121,11 +126,12 @@ def _read(path: Path, cfg) -> "common.AdapterWeights":
         ranks.add(r)
         b = common.file_rows(cfg, module, b, "gguf", to_file=False)
         a = common.file_cols(cfg, module, a.T, "gguf", to_file=False).T
+        # llama.cpp's rule: scale = alpha / r, and alpha 0 means no scaling (scale 1)
         modules[module] = (np.ascontiguousarray(a.T), np.ascontiguousarray(b.T),
-                           float(alpha_cpp) / r)
+                           float(alpha_cpp) / r if alpha_cpp else 1.0)
     r = ranks.pop() if len(ranks) == 1 else 0
     rslora = bool(key("vkdsl.lora.rslora", False))
-    alpha = float(key("vkdsl.lora.alpha", alpha_cpp))
+    alpha = float(key("vkdsl.lora.alpha", alpha_cpp or r))
     manifest = None
     if key("vkdsl.manifest") is not None:
         try:

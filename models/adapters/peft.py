@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from pathlib import Path
 
@@ -115,6 +116,10 @@ def _check_targets(targets, parts, cfg_path):
                                  f"leave it out)")
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def read(folder: Path, cfg) -> "common.AdapterWeights":
     cfg_path, w_path = folder / CONFIG, folder / WEIGHTS
     if not cfg_path.is_file():
@@ -128,6 +133,8 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
         pc = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelFileError(f"{cfg_path}: invalid JSON: {e}") from e
+    if not isinstance(pc, dict):
+        raise ModelFileError(f"{cfg_path}: expected a JSON object, got {type(pc).__name__}")
     if str(pc.get("peft_type", "")).upper() != "LORA":
         raise ModelFileError(f"{cfg_path}: peft_type is {pc.get('peft_type')!r}, expected 'LORA'")
     for k in ("r", "lora_alpha"):
@@ -141,7 +148,15 @@ def read(folder: Path, cfg) -> "common.AdapterWeights":
             raise ModelFileError(f"{cfg_path}: per-module {k} is unsupported")
     if pc.get("bias", "none") != "none":
         raise ModelFileError(f"{cfg_path}: bias = {pc['bias']!r} is unsupported (only 'none')")
-    r, alpha, rslora = int(pc["r"]), float(pc["lora_alpha"]), bool(pc.get("use_rslora", False))
+    r, alpha, rslora = pc["r"], pc["lora_alpha"], pc.get("use_rslora", False)
+    for k, v, ok, want in (("r", r, _number(r) and r >= 1 and float(r).is_integer(),
+                            "an integer >= 1"),
+                           ("lora_alpha", alpha, _number(alpha) and 0 < alpha < math.inf,
+                            "a finite number > 0"),
+                           ("use_rslora", rslora, isinstance(rslora, bool), "true or false")):
+        if not ok:
+            raise ModelFileError(f"{cfg_path}: {k} = {json.dumps(v)}, expected {want}")
+    r, alpha = int(r), float(alpha)
     scale = lora_scale(alpha, r, rslora)
     raw = read_safetensors(w_path)
     parts: dict[str, dict[str, np.ndarray]] = {}
