@@ -461,6 +461,17 @@ MUTANTS = [
            "head[1:] != (1, vendor, device, uuid)", "head[1:3] != (1, vendor)",
            ("tests/test_runtime.py", "-k", "pipeline_cache"),
            "another driver build's pipeline cache handed to this driver"),
+    Mutant("qmatvec_texel_x_a_chunk_late", "vkdsl/kernels/qmatvec.comp",
+           "#define X_AT(i) texelFetch(x_tex, int(i))", "#define X_AT(i) texelFetch(x_tex, int(i) + 1)",
+           ("tests/test_qmatvec.py",), "decode's products read X through texels one vec4 off"),
+    Mutant("gguf_adapter_alpha_zero_scales_zero", "models/adapters/gguf_lora.py",
+           "float(alpha_cpp) / r if alpha_cpp else 1.0", "float(alpha_cpp) / r",
+           ("tests/test_adapters.py", "-k", "llama_cpp_does"),
+           "a llama.cpp adapter with alpha 0 loads and changes nothing (llama.cpp scales it by 1)"),
+    Mutant("generate_lets_nan_top_p_through", "models/generate.py",
+           "(not 0 < top_p <= 1,", "(top_p > 1 or top_p < 0,",
+           ("tests/test_cli_errors.py", "-k", "sampling"),
+           "a NaN or zero top_p samples from an empty or undefined nucleus"),
 ]
 
 

@@ -90,11 +90,12 @@ def lora_fits(form: str, rank: int, cols: int, batch: int = 1) -> bool:
 
 
 def qmatvec_variant(f: Format, texel: bool) -> KernelVariant:
-    """The few-row kernel; texel: its weight read as uniform texel buffers (a vector gather on CPU
-    drivers; X stays a storage buffer, its loads are uniform there)."""
+    """The few-row kernel; texel: X and the weight read as uniform texel buffers (vector gathers
+    on CPU drivers, where a storage load in a loop is a loop over the lanes)."""
     d = dict(f.defines, MV_ROWS=MV_ROWS, **({"QTEXEL": 1} if texel else {}))
     return KernelVariant("qmatvec.comp", f"qmatvec_{f.name}" + ("_t" if texel else ""), d,
-                         (MV_LOCAL, 1, 1), texels=weight_texels(f) if texel else {})
+                         (MV_LOCAL, 1, 1),
+                         texels={1: "rgba32f", **weight_texels(f)} if texel else {})
 
 
 def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: int = 1,
@@ -124,7 +125,7 @@ def plan_qmatmul(dev, fmt, *, M: int, N: int, K: int, form: str = "nt", batch: i
     if (form == "nt" and batch == 1 and 0 < M <= MV_ROWS and variant == "lvp" and K % 4 == 0
             and not lora_rank):
         # decode-sized inputs: a tile of 16 rows would waste most of its work on M = 1
-        kv = qmatvec_variant(f, texel_fits(dev, *words))
+        kv = qmatvec_variant(f, texel_fits(dev, M * K // 4, *words))
         return QuantPlan(name=kv.name, kernel=kv.build(dev, 2 + len(f.arrays), MATMUL_PUSH),
                          groups=grid_for(dev, -(-N // 4), MV_LOCAL),
                          push=MATMUL_PUSH.pack(M, N, K, 0, 0, 0), fmt=f.name, N=N, K=K,
