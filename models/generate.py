@@ -19,15 +19,16 @@ BUCKET = 64          # prompt lengths round up to this, so a few recorded progra
 
 
 class KVCache:
-    """Per-layer key/value caches (1, L, KV, D) living on the device between calls. dtype float16
-    halves their memory (the device's 16-bit storage): keys and values are rounded to fp16 as they
-    are written, and attention reads them back widened to fp32 -- the current token's too."""
+    """Per-layer key/value caches (B, L, KV, D) living on the device between calls, one row per
+    sequence. dtype float16 halves their memory (the device's 16-bit storage): keys and values are
+    rounded to fp16 as they are written, and attention reads them back widened to fp32 -- the
+    current token's too."""
 
-    def __init__(self, cfg, length: int, dtype: str = "float32"):
+    def __init__(self, cfg, length: int, dtype: str = "float32", batch: int = 1):
         if dtype not in ("float32", "float16"):
             raise ValueError(f"KV cache dtype {dtype!r}: expected float32 or float16")
-        self.L, self.dtype = length, dtype
-        shape = (1, length, cfg.n_kv_heads, cfg.head_dim)
+        self.L, self.dtype, self.B = length, dtype, batch
+        shape = (batch, length, cfg.n_kv_heads, cfg.head_dim)
 
         def zeros(name):
             t = vkdsl.tensor(np.zeros(shape, np.float32), name=name)
@@ -37,7 +38,7 @@ class KVCache:
             return t
         self.k = [zeros(f"k_cache{i}") for i in range(cfg.n_layers)]
         self.v = [zeros(f"v_cache{i}") for i in range(cfg.n_layers)]
-        self.onehot = None          # (L,) position of the token being decoded; None during prefill
+        self.onehot = None          # (B, L): each row's position being decoded; None in a prompt
 
     def nbytes(self) -> int:
         return sum(t.buffer.nbytes for t in self.k + self.v)
@@ -51,8 +52,8 @@ class KVCache:
             self.k[i].assign(k.pad(pad))
             self.v[i].assign(v.pad(pad))
             return k.float(), v.float(), True
-        sel = self.onehot.reshape(1, self.L, 1, 1)
-        k_all = self.k[i] * (1.0 - sel) + k * sel          # (1, L, KV, D), this step's row replaced
+        sel = self.onehot.reshape(self.B, self.L, 1, 1)
+        k_all = self.k[i] * (1.0 - sel) + k * sel          # (B, L, KV, D), this step's row replaced
         v_all = self.v[i] * (1.0 - sel) + v * sel
         # fp32 arithmetic on fp16 values: exact, so rounding again is a no-op
         if self.dtype == "float16":
@@ -100,14 +101,23 @@ class StateCache:
 
 
 class Generator:
-    def __init__(self, model, max_len: int, kv_dtype: str = "float32"):
+    """batch B > 1: B prompts decoded together (generate_many), one cache row each -- a decode
+    step's matrix-vector products read each weight once for up to ops.quant's MV_ROWS rows, so
+    B <= 4 sequences cost about what one does (Llama-family models; Qwen3.5's recurrent state is
+    kept for one sequence)."""
+
+    def __init__(self, model, max_len: int, kv_dtype: str = "float32", batch: int = 1):
         self.model, self.cfg = model, model.cfg
         if max_len > self.cfg.context_length:
             raise ValueError(f"prompt + new tokens = {max_len} exceed the model's context of "
                              f"{self.cfg.context_length} tokens")
-        self.L = min(self.cfg.context_length, BUCKET * math.ceil(max_len / BUCKET))
         c = self.cfg
-        self.cache = (StateCache if c.arch == "qwen35" else KVCache)(c, self.L, kv_dtype)
+        if batch < 1 or (batch > 1 and c.arch == "qwen35"):
+            raise ValueError(f"Generator batch {batch}: expected >= 1" + (
+                " (1 for qwen35: its recurrent state holds one sequence)" * (c.arch == "qwen35")))
+        self.L, self.B = min(c.context_length, BUCKET * math.ceil(max_len / BUCKET)), batch
+        self.cache = (StateCache(c, self.L, kv_dtype) if c.arch == "qwen35" else
+                      KVCache(c, self.L, kv_dtype, batch))
 
         def prefill(ids, valid, tail):                      # ids (1, Tb) -> final hidden states
             self.cache.onehot = None
@@ -118,7 +128,12 @@ class Generator:
             self.cache.onehot = onehot
             return self.model.forward(ids, cos=cos, sin=sin, kv=self.cache,
                                       mask=mask.reshape(1, 1, self.L))
+        def step_rows(ids, cos, sin, onehot, mask):        # ids (B, 1); cos, sin (B, 1, R/2)
+            self.cache.onehot = onehot                      # onehot, mask (B, L)
+            return self.model.forward(ids, cos=cos, sin=sin, kv=self.cache,
+                                      mask=mask.reshape(batch, 1, self.L))
         self._prefill, self._step = vkdsl.trace(prefill), vkdsl.trace(step)
+        self._step_rows = vkdsl.trace(step_rows)
         self._head = vkdsl.trace(lambda h: self.model.head(h))
         cos, sin = nn.rope_tables(np.arange(self.L), c.rotary_dim, c.rope_base,
                                   c.rope_freq_divisors)
@@ -145,16 +160,58 @@ class Generator:
                          self._sin[pos:pos + 1], onehot, mask)
         return out[0, 0]
 
+    def logits_prefill_rows(self, prompts: list[list[int]]) -> np.ndarray:
+        """(B, vocab): the logits at each prompt's last position, the B prompts in one prefill
+        (right-padded to one bucket: causal rows never see the padding)."""
+        T = [len(p) for p in prompts]
+        Tb = min(self.L, BUCKET * math.ceil(max(T) / BUCKET))
+        padded = np.zeros((self.B, Tb), np.int32)
+        for b, p in enumerate(prompts):
+            padded[b, :len(p)] = p
+        h = np.asarray(self._prefill(padded, np.zeros(1, np.float32), np.zeros((1, 1), np.float32)))
+        return self._head(np.stack([h[b, t - 1] for b, t in enumerate(T)]))
+
+    def logits_step_rows(self, tokens: list[int], pos: list[int]) -> np.ndarray:
+        """(B, vocab): one decode step of every row, token b written at position pos[b]."""
+        onehot = np.zeros((self.B, self.L), np.float32)
+        onehot[np.arange(self.B), pos] = 1.0
+        mask = np.where(np.arange(self.L)[None, :] <= np.asarray(pos)[:, None], 0.0,
+                        -np.inf).astype(np.float32)
+        out = self._step_rows(np.asarray(tokens, np.int32).reshape(self.B, 1),
+                              self._cos[pos].reshape(self.B, 1, -1),
+                              self._sin[pos].reshape(self.B, 1, -1), onehot, mask)
+        return np.asarray(out)[:, 0]
+
+    def generate_many(self, prompts: list[list[int]], max_new: int, temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int = 0, stop: set | None = None):
+        """New ids of each of the B prompts, decoded together; a row that stops (a stop token,
+        max_new tokens, the cache's end) keeps stepping with the others, its output ignored."""
+        check_sampling(max_new, temperature, top_p, seed)
+        if len(prompts) != self.B or not all(prompts):
+            raise ValueError(f"generate_many: {len(prompts)} prompts for a Generator of batch "
+                             f"{self.B}, each at least one token")
+        if self.B == 1:
+            return [self.generate(prompts[0], max_new, temperature, top_p, seed, stop)[0]]
+        rng = np.random.default_rng(seed)
+        logits, pos = self.logits_prefill_rows(prompts), [len(p) for p in prompts]
+        out, live = [[] for _ in prompts], [max_new > 0] * self.B
+        while any(live):
+            for b in range(self.B):
+                if live[b]:
+                    out[b].append(sample(logits[b], temperature, top_p, rng))
+                    live[b] = (len(out[b]) < max_new and out[b][-1] not in (stop or ())
+                               and pos[b] < self.L)
+            if not any(live):
+                break
+            logits = self.logits_step_rows([o[-1] if o else 0 for o in out],
+                                           [min(p, self.L - 1) for p in pos])
+            pos = [p + 1 for p in pos]
+        return out
+
     def generate(self, ids: list[int], max_new: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop: set | None = None, on_token=None):
         """Returns (new ids, stats). Greedy when temperature == 0."""
-        for bad, what in ((max_new < 0, f"max_new {max_new}: expected >= 0"),
-                          (not 0 <= temperature < math.inf,
-                           f"temperature {temperature}: expected a finite number >= 0"),
-                          (not 0 < top_p <= 1, f"top_p {top_p}: expected 0 < top_p <= 1"),
-                          (seed < 0, f"seed {seed}: expected >= 0")):
-            if bad:
-                raise ValueError(f"generate: {what}")
+        check_sampling(max_new, temperature, top_p, seed)
         rng = np.random.default_rng(seed)
         t0 = time.perf_counter()
         logits = self.logits_prefill(ids, last_only=True)[-1]
@@ -173,6 +230,16 @@ class Generator:
         t_gen = time.perf_counter() - t1
         return (out, {"prompt_tokens": len(ids), "new_tokens": len(out), "prefill_s": t_prefill,
                       "decode_s": t_gen})
+
+
+def check_sampling(max_new, temperature, top_p, seed):
+    for bad, what in ((max_new < 0, f"max_new {max_new}: expected >= 0"),
+                      (not 0 <= temperature < math.inf,
+                       f"temperature {temperature}: expected a finite number >= 0"),
+                      (not 0 < top_p <= 1, f"top_p {top_p}: expected 0 < top_p <= 1"),
+                      (seed < 0, f"seed {seed}: expected >= 0")):
+        if bad:
+            raise ValueError(f"generate: {what}")
 
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, rng) -> int:

@@ -118,3 +118,34 @@ def test_logits_and_tokenize_commands(tmp_path):
                    capture_output=True, text=True, check=True)
     lg = np.load(out)
     assert lg.shape == (6, 49152) and lg.dtype == np.float32 and np.isfinite(lg).all()
+
+
+def test_rows_decoded_together_match_the_reference_row_by_row(tiny):
+    # three prompts of different lengths in one prefill and one step per token: each row's logits
+    # against the float64 reference's forward over that row's own sequence
+    ck = load_checkpoint(tiny.gguf_path)
+    model = Llama(ck)
+    prompts = [IDS[:4], IDS[:7], IDS[:2]]
+    gen = Generator(model, 20, batch=3)
+    ref = lambda seq: llama_ref.forward(ck.dequantized(), ck.config.to_dict(), seq)[-1]  # noqa: E731
+    first = gen.logits_prefill_rows(prompts)
+    for b, p in enumerate(prompts):
+        close(first[b][None], ref(p)[None])
+    seqs = [list(p) for p in prompts]
+    for nxt in ([7, 100, 3], [5, 5, 250]):
+        step = gen.logits_step_rows(nxt, [len(s) for s in seqs])
+        for b, t in enumerate(nxt):
+            seqs[b].append(t)
+            close(step[b][None], ref(seqs[b])[None])
+
+
+def test_generate_many_gives_each_row_what_generating_it_alone_gives(tiny):
+    model = Llama(load_checkpoint(tiny.gguf_path))
+    prompts = [IDS[:4], IDS[:7], IDS[:2]]
+    alone = [Generator(model, 20).generate(p, 6)[0] for p in prompts]
+    stop = {alone[1][2]}                  # row 1 stops early, at its third token; the rest go on
+    together = Generator(model, 20, batch=3).generate_many(prompts, 6, stop=stop)
+    want = [a[:next((i + 1 for i, t in enumerate(a) if t in stop), len(a))] for a in alone]
+    assert together == want and len(together[1]) <= 3
+    with pytest.raises(ValueError, match="2 prompts for a Generator of batch 3"):
+        Generator(model, 20, batch=3).generate_many(prompts[:2], 4)

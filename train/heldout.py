@@ -155,15 +155,19 @@ class Heldout:
         if not adapters_on:
             self.model.lora = {}
         ctx = self.model.cfg.context_length
+        stop = {self.tok.eos_id, reply_end(self.tok, self.cfg.chat_template)}
+        # the failures decode together (one prefill, one step per token for all of them)
+        B = len(prompts) if self.model.cfg.arch != "qwen35" else 1
         try:
-            gen = Generator(self.model, min(ctx, max(len(p) for _, p in prompts) + N))
+            gen = Generator(self.model, min(ctx, max(len(p) for _, p in prompts) + N), batch=B)
             out = []
-            for ex, prompt in prompts:
-                new, _ = gen.generate(prompt, max(1, min(N, ctx - len(prompt))),
-                                      stop={self.tok.eos_id,
-                                            reply_end(self.tok, self.cfg.chat_template)})
-                out.append({"row": ex.where, "expected": ex.completion.strip(),
-                            "generated": self.tok.decode(new)})
+            for s in range(0, len(prompts), B):
+                part = prompts[s:s + B]
+                news = gen.generate_many([p for _, p in part],
+                                         max(1, min(N, ctx - max(len(p) for _, p in part))),
+                                         stop=stop)
+                out += [{"row": ex.where, "expected": ex.completion.strip(),
+                         "generated": self.tok.decode(new)} for (ex, _), new in zip(part, news)]
         finally:
             self.model.lora = saved
         return out
