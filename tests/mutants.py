@@ -472,6 +472,11 @@ MUTANTS = [
            "(not 0 < top_p <= 1,", "(top_p > 1 or top_p < 0,",
            ("tests/test_cli_errors.py", "-k", "sampling"),
            "a NaN or zero top_p samples from an empty or undefined nucleus"),
+    Mutant("decoded_rows_blind_to_their_own_token", "models/generate.py",
+           "np.arange(self.L)[None, :] <= np.asarray(pos)[:, None]",
+           "np.arange(self.L)[None, :] < np.asarray(pos)[:, None]",
+           ("tests/test_model_forward.py", "-k", "rows_decoded"),
+           "rows decoded together attend to every earlier token but the one being decoded"),
 ]
 
 
