@@ -202,3 +202,13 @@ def test_a_run_folder_that_cannot_be_made_is_one_line_before_the_run(tmp_path, c
     assert err.strip().endswith(f"{tmp_path / 'afile' / 'run'}: cannot create this folder "
                                 f"({tmp_path / 'afile'} is a file, not a folder)"), err
     assert "loaded" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", [5, ["payment"], {"a": 1}, True])
+def test_a_field_that_is_not_text_says_what_it_is(tmp_path, value):
+    # once "field 'completion' is missing or empty" for a completion that was there, as a number
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": value}) + "\n")
+    with pytest.raises(DataError, match=re.escape(
+            f"{path}:1: field 'completion' is {json.dumps(value)}, expected a non-empty string")):
+        load_examples(path, None, True, 64, "left")

@@ -68,7 +68,9 @@ def read_jsonl(path) -> list[tuple[int, dict]]:
 
 def _text(obj, key, where):
     v = obj.get(key)
-    if not isinstance(v, str) or not v.strip():
+    if v is not None and not isinstance(v, str):
+        raise DataError(f"{where}: field {key!r} is {json.dumps(v)}, expected a non-empty string")
+    if not v or not v.strip():
         raise DataError(f"{where}: field {key!r} is missing or empty")
     return v
 
