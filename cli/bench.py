@@ -95,8 +95,8 @@ def _command(name, target, help_, options):
         try:
             rows = getattr(importlib.import_module(module), fn)(*_arguments(name, kw))
         except RuntimeError as e:   # a step's non-finite loss (train.loop): one line, as in a run
-            stopped = importlib.import_module("vkdsl.train.loop").TrainingStopped
-            if not isinstance(e, stopped):
+            from vkdsl.train.loop import TrainingStopped
+            if not isinstance(e, TrainingStopped):
                 raise
             raise click.ClickException(str(e)) from None
         echo_rows(rows if isinstance(rows, list) else [rows], as_json)
