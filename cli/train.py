@@ -56,10 +56,27 @@ def settings(config_path, resume, over) -> tuple[C.TrainConfig, str]:
         if config_path:
             raise C.ConfigError(f"--resume {resume} runs with its own config.json; --config "
                                 f"{config_path} would replace it (give changed settings as flags)")
-        return C.load(None, {**values, **over}), resume
+        cfg = C.load(None, {**values, **over})
+        _inputs_exist(cfg)
+        return cfg, resume
     cfg = C.load(config_path, over)
+    _inputs_exist(cfg)
     cfg.out = cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
     return cfg, cfg.out
+
+
+def _inputs_exist(cfg):
+    """Every file the settings name is there before a run folder is made for them: a mistyped
+    path is one line, not a run folder holding only the error."""
+    for name in C.FILE_FIELDS:
+        path = getattr(cfg, name)
+        if not path:
+            continue
+        if not os.path.exists(path):
+            raise C.ConfigError(f"config: {name} {path}: no such file"
+                                + (" or folder" if name == "model" else ""))
+        if name != "model" and not os.path.isfile(path):
+            raise C.ConfigError(f"config: {name} {path}: a folder, expected a file")
 
 
 def _fresh_folder(out: str, overwrite: bool):

@@ -323,3 +323,19 @@ def test_an_output_path_under_a_file_or_an_unwritable_folder_is_one_line(tmp_pat
         atomic_write("/proc/vkdsl-test.npy", b"data")
     assert str(e.value).startswith("/proc/vkdsl-test.npy: cannot write there (")
     assert not list(tmp_path.glob("afile*/**/*.tmp"))
+
+
+@pytest.mark.parametrize("flag, path, said", [
+    ("--train-file", "missing.jsonl", "train_file {}: no such file"),
+    ("--model", "missing.gguf", "model {}: no such file or folder"),
+    ("--heldout-file", ".", "heldout_file {}: a folder, expected a file")])
+def test_a_mistyped_input_path_is_one_line_and_makes_no_run_folder(setup, tmp_path, capsys, monkeypatch,
+                                                                   flag, path, said):
+    # once errno's "[Errno 2] No such file or directory: 'missing.jsonl'", after runs/<time>/ was
+    # made holding config.json and a log of the error (or, for --model, nothing)
+    monkeypatch.chdir(tmp_path)
+    args = _args(setup, "x")[:-2] + [flag, path]          # --out left to its default, runs/<time>
+    assert train_main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"vkdsl-train: error: config: {said.format(path)}"
+    assert not (tmp_path / "runs").exists()

@@ -110,3 +110,62 @@ def test_report_renders_in_headless_chromium(runs, tmp_path):
     dom = subprocess.run(flags + [f"--user-data-dir={tmp_path / 'prof2'}", "--dump-dom", out.as_uri()],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     assert dom.count("<svg") >= 6 and "Did it transfer?" in dom and "Provenance" in dom
+
+
+def _edit_json(path, fn):
+    v = json.loads(path.read_text())
+    path.write_text(json.dumps(fn(v) or v))
+
+
+DAMAGES = {   # what a damaged or hand-edited record holds -> the words of its one line
+    "config_a_list": (lambda r: (r / "config.json").write_text("[1]"),
+                      r"config.json: a JSON list, expected a JSON object"),
+    "summary_a_list": (lambda r: (r / "summary.json").write_text("[]"),
+                       r"summary.json: a JSON list, expected a JSON object"),
+    "gates_an_object": (lambda r: (r / "gates.json").write_text('{"gates": []}'),
+                        r"gates.json: a JSON dict, expected a JSON list"),
+    "gates_not_utf8": (lambda r: (r / "gates.json").write_bytes(b"\xff\xfe[]"),
+                       r"gates.json: not UTF-8 text"),
+    "metrics_row_a_list": (lambda r: open(r / "metrics.jsonl", "a").write("[1, 2]\n"),
+                           r"metrics.jsonl:\d+: a list, expected a record"),
+    "metrics_loss_a_string": (
+        lambda r: open(r / "metrics.jsonl", "a").write('{"event": "step", "step": 9, "loss": "y"}\n'),
+        r"metrics.jsonl:\d+: loss is \"y\", expected a number"),
+    "gate_pass_a_string": (lambda r: _edit_json(r / "gates.json",
+                                                lambda g: g[0].update({"pass": "no"})),
+                           r"gates.json: .*Gate.passed is \"no\", expected bool"),
+    "accuracy_a_list": (lambda r: _edit_json(r / "summary.json",
+                                             lambda s: s["final"].update(heldout_acc=[1])),
+                        r"summary.json: .*Evidence.heldout_acc is \[1\], expected float \| None"),
+    "pairs_a_fraction": (lambda r: _edit_json(r / "summary.json",
+                                              lambda s: s["dpo"]["heldout"].update(pairs=1.5)),
+                         r"summary.json: .*PairEvidence.pairs is 1.5, expected int"),
+    "base_step_a_list": (lambda r: _edit_json(r / "base_eval.json",
+                                              lambda b: b["base"].update(step=[0])),
+                         r"base_eval.json: .*Evidence.step is \[0\]"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_record_of_the_wrong_type_is_one_line_naming_its_file(runs, tmp_path, damage):
+    """Each record is read as the type the trainer writes, value by value: a gate whose pass is
+    the string "no" would otherwise read as PASS, a list would print as an accuracy."""
+    run = shutil.copytree(runs[0], tmp_path / "copy")
+    edit, words = DAMAGES[damage]
+    edit(run)
+    with pytest.raises(ValueError, match=words):
+        build_report(run)
+
+
+def test_a_damaged_base_evaluation_cache_is_measured_again(runs, tmp_path):
+    """base_eval.json with the right key but a field of another type is not reused as evidence."""
+    from vkdsl.train import checkpoint
+    saved = json.loads((runs[0] / "base_eval.json").read_text())
+    path = tmp_path / "base_eval.json"
+    path.write_text(json.dumps(saved))
+    good = checkpoint.cached_base(path, saved["key"])
+    assert good.heldout_loss == saved["base"]["heldout_loss"] and good.step == "base"
+    assert checkpoint.cached_base(path, "another key") is None
+    saved["base"]["heldout_loss"] = "0.5"
+    path.write_text(json.dumps(saved))
+    assert checkpoint.cached_base(path, saved["key"]) is None

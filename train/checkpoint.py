@@ -18,6 +18,8 @@ import numpy as np
 
 from vkdsl.fileio import atomic_write
 
+from .evidence import Evidence
+
 NAME = "checkpoint.npz"
 # the DPO stage's own checkpoint, beside the SFT stage's finished one
 DPO = "dpo_checkpoint.npz"
@@ -143,9 +145,12 @@ def remove_stale_temps(run_dir) -> list[Path]:
 
 
 def cached_base(path: Path, key: str):
-    """The cached base evaluation when it was computed for exactly this key, else None."""
+    """The cached base evaluation (Evidence) when it was computed for exactly this key and reads
+    as the type a run writes, else None: measured again."""
     try:
         saved = json.loads(path.read_text())
+        if isinstance(saved, dict) and saved.get("key") == key and saved.get("base"):
+            return Evidence.from_json(saved.get("base"))
     except (OSError, ValueError):
-        return None
-    return saved.get("base") if isinstance(saved, dict) and saved.get("key") == key else None
+        pass
+    return None

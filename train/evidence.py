@@ -14,14 +14,33 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import vkdsl
+from vkdsl.fileio import atomic_write
+
+
+_JSON_KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
+               "list": (list,), "dict": (dict,)}
+
+
+def _typed(cls, name: str, annotation: str, v):
+    """v when it has the JSON type a field of cls declares (`float | None`: a number or null);
+    a field typed by another record class is that class's to check."""
+    kinds = [k.strip() for k in annotation.split("|")]
+    if v is None and "None" in kinds:
+        return v
+    known = [k for k in kinds if k in _JSON_KINDS]
+    if not known or any(isinstance(v, _JSON_KINDS[k]) and (k == "bool") == isinstance(v, bool)
+                        for k in known):
+        return v
+    raise ValueError(f"{cls.__name__}.{name} is {json.dumps(v)[:40]}, expected {annotation}")
 
 
 def _known(cls, d: dict | None):
-    """A record type from its JSON object (keys it does not have are a newer writer's: ignored)."""
+    """A record type from its JSON object, each field of the type it declares (keys it does not
+    have are a newer writer's: ignored)."""
     if d is not None and not isinstance(d, dict):
         raise ValueError(f"expected a JSON object for {cls.__name__}, found a {type(d).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in (d or {}).items() if k in names})
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    return cls(**{k: _typed(cls, k, fields[k], v) for k, v in (d or {}).items() if k in fields})
 
 
 @dataclass
@@ -36,7 +55,11 @@ class Gate:
 
     @classmethod
     def from_record(cls, d: dict) -> "Gate":
-        return cls(str(d.get("gate")), bool(d.get("pass")), str(d.get("detail", "")))
+        if not isinstance(d, dict) or not isinstance(d.get("gate"), str):
+            raise ValueError(f"a gate record is {json.dumps(d)[:60]}, expected an object with "
+                             f"\"gate\" (a name), \"pass\" (true or false) and \"detail\"")
+        return _known(cls, {"gate": d["gate"], "passed": d.get("pass"),
+                            "detail": d.get("detail", "")})
 
 
 @dataclass
@@ -72,7 +95,7 @@ class Surfaces:
 class Evidence:
     """What one evaluation found: of the base, at a step, after SFT or after DPO (None where that
     evaluation does not measure it). Its JSON object is the eval record, summary.json's final."""
-    step: int | None = None
+    step: int | str | None = None           # the SFT step it was taken at, or "base"
     train_loss: float | None = None
     heldout_loss: float | None = None
     heldout_loss_base: float | None = None
@@ -144,10 +167,11 @@ class DpoEvidence:
 
     @classmethod
     def from_json(cls, d: dict | None) -> "DpoEvidence":
-        d = d or {}
-        pair = {k: _known(PairEvidence, d[k]) if d.get(k) else None for k in ("train", "heldout")}
-        return cls(**pair, after=Evidence.from_json(d["after"]) if d.get("after") else None,
-                   sft_acc=d.get("sft_acc"), preservation_delta=d.get("preservation_delta"))
+        own = _known(cls, d)            # the scalars checked; the nested records are their types'
+        pair = {k: _known(PairEvidence, v) if (v := getattr(own, k)) else None
+                for k in ("train", "heldout")}
+        return dataclasses.replace(own, **pair, after=Evidence.from_json(own.after)
+                                   if own.after else None)
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -324,7 +348,6 @@ def gates(ev: Evidence, first_loss, cfg) -> list[Gate]:
 
 def publish_gates(rep, run_dir, gates: list[Gate], new: list[Gate]):
     """Print the new gates' lines, then emit and write every gate so far (gates.json, atomic)."""
-    from .checkpoint import atomic_write
     for g in new:
         rep.outcome(f"  {'PASS' if g.passed else 'FAIL'}  {g.gate}: {g.detail}")
     rep.event("gates", gates=[g.record() for g in gates])

@@ -29,25 +29,42 @@ CSS = ("body{font:14px/1.45 system-ui,sans-serif;max-width:1000px;margin:24px au
        "4px;word-break:break-all}")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, record) of each record: the line names a bad value the panels meet later."""
     rows = []
     if path.is_file():
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        for i, line in enumerate(_text(path).splitlines(), 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{i}: not JSON ({e})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{i}: a {type(row).__name__}, expected a record "
+                                     f"(a JSON object)")
+                rows.append((i, row))
     return rows
 
 
-def _read_json(path: Path):
+def _read_json(path: Path, kind: type = dict):
+    """The file's JSON value (None when there is no such file), which must be of `kind`."""
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        v = json.loads(_text(path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(v, kind):
+        raise ValueError(f"{path}: a JSON {type(v).__name__}, expected a JSON "
+                         f"{'object' if kind is dict else kind.__name__}")
+    return v
 
 
 def _e(x) -> str:
@@ -94,27 +111,54 @@ class RunData:
                                     f"{', '.join(missing)}: deleted or lost; the report would "
                                     f"misstate the run")
         self.finished = finished
-        self.rows = _read_jsonl(self.dir / "metrics.jsonl")
+        self.metrics = self.dir / "metrics.jsonl"
+        self.rows = _read_jsonl(self.metrics)
         self.summary = _read_json(self.dir / "summary.json") or {}
         self.config = _read_json(self.dir / "config.json") or {}
         self.manifest = _read_json(self.dir / "adapter" / "vkdsl_manifest.json") or {}
-        base, gates = (_read_json(self.dir / "base_eval.json") or {},
-                       _read_json(self.dir / "gates.json"))
-        try:                # the records as their types: a record of another shape is one line
-            self.base = Evidence.from_json(base["base"]) if base.get("base") else None
-            self.gates = [Gate.from_record(g) for g in (gates or self.summary.get("gates") or [])]
-            evals = [r for r in self.rows if r.get("event") == "eval"]
-            self.final = Evidence.from_json(self.summary.get("final")
-                                            or (evals[-1] if evals else {}))
-            self.dpo = (DpoEvidence.from_json(self.summary["dpo"]) if self.summary.get("dpo")
-                        else None)
+        base = _read_json(self.dir / "base_eval.json") or {}
+        gates = _read_json(self.dir / "gates.json", list)
+        # the records as their types: a record of another shape is one line naming its file
+        evals = [r for _, r in self.rows if r.get("event") == "eval"]
+        self.base = self._typed("base_eval.json", Evidence.from_json, base.get("base"))
+        where = "gates.json" if gates is not None else "summary.json"
+        if gates is None:
+            gates = self._typed(where, _list, self.summary.get("gates")) or []
+        self.gates = [self._typed(where, Gate.from_record, g) for g in gates]
+        self.final = (self._typed("summary.json", Evidence.from_json, self.summary["final"])
+                      if self.summary.get("final") else
+                      self._typed("metrics.jsonl", Evidence.from_json, evals[-1] if evals else {}))
+        self.dpo = (self._typed("summary.json", DpoEvidence.from_json, self.summary["dpo"])
+                    if self.summary.get("dpo") else None)
+
+    def _typed(self, name: str, make, value):
+        if value is None:
+            return None
+        try:
+            return make(value)
         except (AttributeError, TypeError, ValueError) as e:
-            raise ValueError(f"{self.dir}: a record is not in the shape vkdsl-train "
-                             f"writes ({e})") from None
+            raise ValueError(f"{self.dir / name}: not in the shape vkdsl-train writes ({e})"
+                             ) from None
 
     def steps(self, event, key):
-        return [(r["step"], r[key]) for r in self.rows if r.get("event") == event
-                and r.get(key) is not None]
+        """(step, value) of each `event` record that has `key`, every value a number."""
+        out = []
+        for line, r in self.rows:
+            if r.get("event") != event or r.get(key) is None:
+                continue
+            step, v = r.get("step"), r[key]
+            for what, x in (("step", step), (key, v)):
+                if not isinstance(x, (int, float)) or isinstance(x, bool):
+                    raise ValueError(f"{self.metrics}:{line}: {what} is {json.dumps(x)[:40]}, "
+                                     f"expected a number")
+            out.append((step, v))
+        return out
+
+
+def _list(v):
+    if not isinstance(v, list):
+        raise ValueError(f"gates is {json.dumps(v)[:40]}, expected a list")
+    return v
 
 
 def _surface_rows(stages: list[tuple[str, Evidence]]) -> list[list]:

@@ -165,9 +165,8 @@ class Run:
                        "scored once, comparing the label tokens' log-probs at the answer position")
         key, cache = self._base_key(), self.dir / checkpoint.BASE_EVAL
         # only rank 0 writes (and reads) the run folder: every rank must take the same branch
-        saved = self.group.from_root(checkpoint.cached_base, cache, key)
-        if saved is not None:
-            self.base = Evidence.from_json(saved)
+        self.base = self.group.from_root(checkpoint.cached_base, cache, key)
+        if self.base is not None:
             self.r.say(f"base evaluation reused from {cache.name} (same base, tokenizer, data and "
                        f"settings)")
         else:
