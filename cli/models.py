@@ -155,8 +155,8 @@ def merge(device, model_path, adapter, out, out_type, compare_text, force, as_js
     open_device(device, announce=not as_json)
     base = model_path or default_model_path()
     try:
-        report = run(base, adapter, out, out_type=out_type, force=force)
         ids = _prompt_ids(load_tokenizer(base), compare_text, False, what="--compare")
+        report = run(base, adapter, out, out_type=out_type, force=force)
         report["compare"] = compare_logits(base, adapter, out, [ids], force=force)
     except (ModelFileError, FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e))

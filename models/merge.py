@@ -35,6 +35,10 @@ def merge(model_path, adapter_path, out_path, out_type: str = "f32", force: bool
         raise ValueError(f"out_type must be one of {OUT_TYPES}, got {out_type!r}")
     model_path, out_path = Path(model_path), Path(out_path)
     ck, tok = load_model_files(model_path)
+    if out_path.exists() and out_path.resolve() == model_path.resolve():
+        raise ModelFileError(f"{out_path}: the base itself; the merged model goes elsewhere")
+    if ck.format == "gguf" and out_path.is_dir():
+        raise ModelFileError(f"{out_path}: a folder; a GGUF base merges into one .gguf file")
     aw = read_adapter(adapter_path, ck.config)
     forced = []
     if aw.manifest is not None:

@@ -276,6 +276,29 @@ def test_merge_hf_base_writes_safetensors_folder(tiny, adapted, tmp_path):
     close(hf_peft_forward(merged_w, tiny.cfg, IDS), hf_peft_forward(tiny.hf_weights, tiny.cfg, IDS, mods, s))
 
 
+def test_merge_refuses_to_write_over_its_base_or_into_a_folder_before_any_work(tiny, adapted, tmp_path):
+    # once: --out the base GGUF replaced the user's base with the merged model; --out a folder
+    # merged everything, then failed on "[Errno 21] Is a directory"
+    base = shutil.copy(tiny.gguf_path, tmp_path / "base.gguf")
+    before = (tmp_path / "base.gguf").read_bytes()
+    with pytest.raises(ModelFileError, match=r"base.gguf: the base itself; the merged model goes "):
+        merge(base, adapted["gguf"], tmp_path / "." / "base.gguf", "f32")
+    assert (tmp_path / "base.gguf").read_bytes() == before
+    with pytest.raises(ModelFileError, match=r": a folder; a GGUF base merges into one .gguf file"):
+        merge(base, adapted["gguf"], tmp_path, "f32")
+    with pytest.raises(ModelFileError, match="the base itself"):
+        merge(tiny.hf_dir, adapted["peft"], tiny.hf_dir, "f32", force=True)
+    from vkdsl.fileio import atomic_write
+    with pytest.raises(IsADirectoryError, match=rf"^{re.escape(str(tmp_path))}: a folder is there, "):
+        atomic_write(tmp_path, b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.gguf"]
+    from fixtures.cli import vkdsl          # an empty --compare prompt: refused before the merge
+    p = vkdsl(["merge", "--model", str(tiny.gguf_path), "--adapter", str(adapted["gguf"]),
+               "--out", str(tmp_path / "m.gguf"), "--compare", ""])
+    assert p.returncode == 1 and p.stderr.strip().endswith("Error: --compare '' tokenizes to no tokens")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def test_manifest_refuses_another_base_and_force_overrides(other, adapted, capsys):
     ck, tok = load_model_files(other.gguf_path)
     model = Llama(ck)

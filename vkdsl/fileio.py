@@ -31,6 +31,8 @@ def atomic_path(path):
     """Yields a temp path in the target's folder for a writer that wants a file name (e.g.
     gguf.GGUFWriter); on success it is fsynced and moved into place, on failure removed."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: a folder is there, expected a file name")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
