@@ -119,67 +119,61 @@ class Generator:
         self.cache = (StateCache(c, self.L, kv_dtype) if c.arch == "qwen35" else
                       KVCache(c, self.L, kv_dtype, batch))
 
-        def prefill(ids, valid, tail):                      # ids (1, Tb) -> final hidden states
+        def prefill(ids, valid, tail):                      # ids (B, Tb) -> final hidden states
             self.cache.onehot = None
             self.cache.valid, self.cache.tail = valid, tail  # read by a StateCache only
             return self.model.forward(ids, kv=self.cache, hidden_only=True)
 
-        def step(ids, cos, sin, onehot, mask):             # ids (1, 1); onehot, mask (L,)
+        def step(ids, cos, sin, onehot, mask):     # ids (B, 1); cos, sin (B, 1, R/2); onehot (B, L)
             self.cache.onehot = onehot
-            return self.model.forward(ids, cos=cos, sin=sin, kv=self.cache,
-                                      mask=mask.reshape(1, 1, self.L))
-        def step_rows(ids, cos, sin, onehot, mask):        # ids (B, 1); cos, sin (B, 1, R/2)
-            self.cache.onehot = onehot                      # onehot, mask (B, L)
             return self.model.forward(ids, cos=cos, sin=sin, kv=self.cache,
                                       mask=mask.reshape(batch, 1, self.L))
         self._prefill, self._step = vkdsl.trace(prefill), vkdsl.trace(step)
-        self._step_rows = vkdsl.trace(step_rows)
         self._head = vkdsl.trace(lambda h: self.model.head(h))
         cos, sin = nn.rope_tables(np.arange(self.L), c.rotary_dim, c.rope_base,
                                   c.rope_freq_divisors)
         self._cos, self._sin = cos, sin
 
-    def logits_prefill(self, ids: list[int], last_only: bool = False) -> np.ndarray:
-        """Logits (T, vocab) of the prompt's positions, or (1, vocab) of its last with last_only."""
-        T = len(ids)
+    def _hidden(self, prompts: list[list[int]]) -> np.ndarray:
+        """Final hidden states (B, Tb, dim) of the B prompts in one prefill, right-padded to one
+        bucket (causal rows never see the padding; a StateCache masks it from its recurrence)."""
+        if len(prompts) != self.B:
+            raise ValueError(f"{len(prompts)} prompts for a Generator of batch {self.B}")
+        T = max(len(p) for p in prompts)
         Tb = min(self.L, BUCKET * math.ceil(T / BUCKET))
-        padded = np.zeros((1, Tb), np.int32)
-        padded[0, :T] = ids  # right padding: causal rows < T never see it
+        padded = np.zeros((self.B, Tb), np.int32)
+        for b, p in enumerate(prompts):
+            padded[b, :len(p)] = p
         valid, tail = (self.cache.prompt_inputs(T, Tb) if isinstance(self.cache, StateCache) else
                        (np.zeros(1, np.float32), np.zeros((1, 1), np.float32)))
-        h = np.asarray(self._prefill(padded, valid, tail))[0]           # (Tb, dim)
+        return np.asarray(self._prefill(padded, valid, tail))
+
+    def logits_prefill(self, ids: list[int], last_only: bool = False) -> np.ndarray:
+        """Logits (T, vocab) of the prompt's positions, or (1, vocab) of its last with last_only."""
+        h, T = self._hidden([ids])[0], len(ids)
         if last_only:
             return self._head(h[T - 1:T])
         return head_in_chunks(self._head, h, self.model.logit_rows)[:T]
 
     def logits_step(self, token: int, pos: int) -> np.ndarray:
-        onehot = np.zeros(self.L, np.float32)
-        onehot[pos] = 1.0
-        mask = np.where(np.arange(self.L) <= pos, 0.0, -np.inf).astype(np.float32)
-        out = self._step(np.array([[token]], np.int32), self._cos[pos:pos + 1],
-                         self._sin[pos:pos + 1], onehot, mask)
-        return out[0, 0]
+        return self.logits_step_rows([token], [pos])[0]
 
     def logits_prefill_rows(self, prompts: list[list[int]]) -> np.ndarray:
-        """(B, vocab): the logits at each prompt's last position, the B prompts in one prefill
-        (right-padded to one bucket: causal rows never see the padding)."""
-        T = [len(p) for p in prompts]
-        Tb = min(self.L, BUCKET * math.ceil(max(T) / BUCKET))
-        padded = np.zeros((self.B, Tb), np.int32)
-        for b, p in enumerate(prompts):
-            padded[b, :len(p)] = p
-        h = np.asarray(self._prefill(padded, np.zeros(1, np.float32), np.zeros((1, 1), np.float32)))
-        return self._head(np.stack([h[b, t - 1] for b, t in enumerate(T)]))
+        """(B, vocab): the logits at each prompt's last position, the B prompts in one prefill."""
+        h = self._hidden(prompts)
+        return self._head(np.stack([h[b, len(p) - 1] for b, p in enumerate(prompts)]))
 
     def logits_step_rows(self, tokens: list[int], pos: list[int]) -> np.ndarray:
         """(B, vocab): one decode step of every row, token b written at position pos[b]."""
+        if len(tokens) != self.B:
+            raise ValueError(f"{len(tokens)} tokens for a Generator of batch {self.B}")
         onehot = np.zeros((self.B, self.L), np.float32)
         onehot[np.arange(self.B), pos] = 1.0
         mask = np.where(np.arange(self.L)[None, :] <= np.asarray(pos)[:, None], 0.0,
                         -np.inf).astype(np.float32)
-        out = self._step_rows(np.asarray(tokens, np.int32).reshape(self.B, 1),
-                              self._cos[pos].reshape(self.B, 1, -1),
-                              self._sin[pos].reshape(self.B, 1, -1), onehot, mask)
+        out = self._step(np.asarray(tokens, np.int32).reshape(self.B, 1),
+                         self._cos[pos].reshape(self.B, 1, -1),
+                         self._sin[pos].reshape(self.B, 1, -1), onehot, mask)
         return np.asarray(out)[:, 0]
 
     def generate_many(self, prompts: list[list[int]], max_new: int, temperature: float = 0.0,
