@@ -13,6 +13,8 @@ import numpy as np
 import vkdsl
 from vkdsl.ops import nn
 
+from vkdsl.ops.quant.kernels import MV_ROWS
+
 from .llama import head_in_chunks
 
 BUCKET = 64          # prompt lengths round up to this, so a few recorded programs serve all prompts
@@ -106,6 +108,12 @@ class Generator:
     B <= 4 sequences cost about what one does (Llama-family models; Qwen3.5's recurrent state is
     kept for one sequence)."""
 
+    @staticmethod
+    def batch_for(cfg, n: int) -> int:
+        """The batch to decode n sequences with: all of them up to MV_ROWS (more rows than that
+        cost their own weight reads), one for Qwen3.5."""
+        return 1 if cfg.arch == "qwen35" else max(1, min(n, MV_ROWS))
+
     def __init__(self, model, max_len: int, kv_dtype: str = "float32", batch: int = 1):
         self.model, self.cfg = model, model.cfg
         if max_len > self.cfg.context_length:
@@ -181,11 +189,13 @@ class Generator:
         """New ids of each of the B prompts, decoded together; a row that stops (a stop token,
         max_new tokens, the cache's end) keeps stepping with the others, its output ignored."""
         check_sampling(max_new, temperature, top_p, seed)
-        if len(prompts) != self.B or not all(prompts):
-            raise ValueError(f"generate_many: {len(prompts)} prompts for a Generator of batch "
-                             f"{self.B}, each at least one token")
+        n = len(prompts)
+        if not 1 <= n <= self.B or not all(prompts):
+            raise ValueError(f"generate_many: {n} prompts for a Generator of batch {self.B}, "
+                             f"each at least one token")
         if self.B == 1:
             return [self.generate(prompts[0], max_new, temperature, top_p, seed, stop)[0]]
+        prompts = prompts + [prompts[-1]] * (self.B - n)    # rows beyond n: decoded, not returned
         rng = np.random.default_rng(seed)
         logits, pos = self.logits_prefill_rows(prompts), [len(p) for p in prompts]
         out, live = [[] for _ in prompts], [max_new > 0] * self.B
@@ -200,7 +210,7 @@ class Generator:
             logits = self.logits_step_rows([o[-1] if o else 0 for o in out],
                                            [min(p, self.L - 1) for p in pos])
             pos = [p + 1 for p in pos]
-        return out
+        return out[:n]
 
     def generate(self, ids: list[int], max_new: int, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop: set | None = None, on_token=None):

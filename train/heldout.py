@@ -157,7 +157,7 @@ class Heldout:
         ctx = self.model.cfg.context_length
         stop = {self.tok.eos_id, reply_end(self.tok, self.cfg.chat_template)}
         # the failures decode together (one prefill, one step per token for all of them)
-        B = len(prompts) if self.model.cfg.arch != "qwen35" else 1
+        B = Generator.batch_for(self.model.cfg, len(prompts))
         try:
             gen = Generator(self.model, min(ctx, max(len(p) for _, p in prompts) + N), batch=B)
             out = []
