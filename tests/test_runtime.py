@@ -171,3 +171,41 @@ def test_pipeline_cache_from_another_driver_is_rebuilt_in_one_line(tmp_path, mon
     lines = [l for l in p.stderr.splitlines() if "pipeline cache" in l]
     assert lines == ([f"vkdsl: pipeline cache {path} is damaged or from another driver; rebuilding it"]
                      if said else [])
+
+
+_MATMULS = """
+import sys
+import numpy as np
+import vkdsl
+for m, k, n in {shapes}:
+    a, b = np.ones((m, k), np.float32), np.ones((k, n), np.float32)
+    assert float(vkdsl.trace(lambda x, y: x @ y)(a, b)[0, 0]) == k
+print(vkdsl.runtime.default_device().info.driver)
+"""
+
+
+def _shaders_compiled(tmp_path, name, shapes):
+    """Files in llvmpipe's shader cache (one per compiled shader variant) after a process ran the
+    fp32 matmul at these shapes with an empty cache."""
+    import os
+    import subprocess
+    import sys
+    home = tmp_path / name
+    env = dict(os.environ, XDG_CACHE_HOME=str(home), VKDSL_SPIRV_SHIPPED="1")
+    env.pop("MESA_SHADER_CACHE_DIR", None)
+    p = subprocess.run([sys.executable, "-c", _MATMULS.format(shapes=shapes)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    files = [f for d, _, fs in os.walk(home / "mesa_shader_cache") for f in fs if f != "index"]
+    return len(files), p.stdout
+
+
+def test_a_kernel_compiles_once_whatever_its_buffers_sizes(tmp_path):
+    """llvmpipe keys a compiled shader by two bits of each texel buffer's size; before buffers were
+    sized to hold them fixed, every new matmul shape compiled the same kernel again (1.5 s each)."""
+    one, driver = _shaders_compiled(tmp_path, "one", [(256, 256, 256)])
+    if "llvmpipe" not in driver:
+        pytest.skip(f"llvmpipe's shader variants; this device runs {driver.strip()}")
+    three, _ = _shaders_compiled(tmp_path, "three", [(256, 256, 256), (250, 256, 256),
+                                                     (240, 256, 200)])
+    assert one > 0 and three == one, (one, three)

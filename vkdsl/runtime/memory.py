@@ -55,13 +55,30 @@ class Part:
         return getattr(self.buffer, name)
 
 
+def key_stable_size(nbytes: int) -> int:
+    """The bytes to allocate for nbytes (>= 16: Vulkan forbids empty buffers). llvmpipe compiles
+    a shader once per variant, and a texel buffer's variant key holds two bits of its buffer's
+    size: whether the size is a power of two, and whether bits 8-15 of the view's size are all
+    zero (a field of the view that shares those bits). Allocating a size that is never a power of
+    two and always has one of bits 8-15 set (<= 272 bytes more) keeps one variant per kernel, not
+    one per shape: the first run on a machine compiles each kernel once."""
+    size = -(-max(nbytes, 16) // 16) * 16
+    if size & (size - 1) == 0:
+        size += 16
+    if (size >> 8) & 0xFF == 0:
+        size += 256
+    return size
+
+
 class Buffer:
     """A VkBuffer with its own memory. `host` buffers are mapped for the life of the buffer."""
 
     def __init__(self, device, nbytes: int, host: bool | None = None, label: str = ""):
         self.device, self.nbytes, self.label = device, int(nbytes), label
         self.host = device.unified_memory if host is None else host
-        size = max(self.nbytes, 16)          # Vulkan forbids empty buffers; round tiny ones up
+        size = key_stable_size(self.nbytes)
+        if size > device.limits.max_storage_buffer_range:   # the padding never costs a binding
+            size = max(self.nbytes, 16)
         if size > device.limits.max_storage_buffer_range and not host:
             raise ValueError(f"buffer {label or ''} of {size} bytes exceeds the device's "
                              f"maxStorageBufferRange of "
