@@ -18,6 +18,7 @@ from .realize import Program, capturing
 from .slots import buffer_slots
 from .runtime import default_device
 from .runtime.context import RECLAIM
+from .runtime.memory import key_stable_size
 from .schedule import plan as schedule
 from .tensor import Tensor
 
@@ -117,7 +118,7 @@ class Traced:
             outs, _ = _flatten(self.fn(*holders))
         steps, _ = schedule(outs, cap.assigns)
         _, slots = buffer_slots(steps, outs)
-        size = lambda n: max(n, 16)                 # noqa: E731  (runtime.Buffer's smallest buffer)
+        size = key_stable_size                      # what runtime.Buffer allocates for n bytes
         out = {"inputs": sum(size(a.nbytes) for a in arrays),
                "outputs": sum(size(n) for n, k in slots if k == "output"),
                "temporaries": sum(size(n) for n, k in slots if k == "temp")}
