@@ -191,8 +191,11 @@ def _shaders_compiled(tmp_path, name, shapes):
     import subprocess
     import sys
     home = tmp_path / name
-    env = dict(os.environ, XDG_CACHE_HOME=str(home), VKDSL_SPIRV_SHIPPED="1")
-    env.pop("MESA_SHADER_CACHE_DIR", None)
+    # one file per compiled variant (Mesa 23.1+ defaults to a single database file instead)
+    env = dict(os.environ, XDG_CACHE_HOME=str(home), VKDSL_SPIRV_SHIPPED="1",
+               MESA_DISK_CACHE_MULTI_FILE="1")
+    for v in ("MESA_SHADER_CACHE_DIR", "MESA_DISK_CACHE_SINGLE_FILE", "MESA_SHADER_CACHE_DISABLE"):
+        env.pop(v, None)
     p = subprocess.run([sys.executable, "-c", _MATMULS.format(shapes=shapes)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
