@@ -120,6 +120,8 @@ def _edit_json(path, fn):
 DAMAGES = {   # what a damaged or hand-edited record holds -> the words of its one line
     "config_a_list": (lambda r: (r / "config.json").write_text("[1]"),
                       r"config.json: a JSON list, expected a JSON object"),
+    "config_of_a_model": (lambda r: (r / "config.json").write_text('{"model_type": "llama"}'),
+                          r"config.json: not a run's settings \(no objective\)"),
     "summary_a_list": (lambda r: (r / "summary.json").write_text("[]"),
                        r"summary.json: a JSON list, expected a JSON object"),
     "gates_an_object": (lambda r: (r / "gates.json").write_text('{"gates": []}'),

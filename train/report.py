@@ -115,6 +115,9 @@ class RunData:
         self.rows = _read_jsonl(self.metrics)
         self.summary = _read_json(self.dir / "summary.json") or {}
         self.config = _read_json(self.dir / "config.json") or {}
+        if "objective" not in self.config:      # e.g. a Hugging Face model folder's config.json
+            raise ValueError(f"{self.dir / 'config.json'}: not a run's settings (no objective); "
+                             f"is {self.dir} a vkdsl-train run folder?")
         self.manifest = _read_json(self.dir / "adapter" / "vkdsl_manifest.json") or {}
         base = _read_json(self.dir / "base_eval.json") or {}
         gates = _read_json(self.dir / "gates.json", list)
