@@ -123,18 +123,19 @@ class RunData:
         gates = _read_json(self.dir / "gates.json", list)
         # the records as their types: a record of another shape is one line naming its file
         evals = [r for _, r in self.rows if r.get("event") == "eval"]
-        self.base = self._typed("base_eval.json", Evidence.from_json, base.get("base"))
+        self.base = self._read_as("base_eval.json", Evidence.from_json, base.get("base"))
         where = "gates.json" if gates is not None else "summary.json"
         if gates is None:
-            gates = self._typed(where, _list, self.summary.get("gates")) or []
-        self.gates = [self._typed(where, Gate.from_record, g) for g in gates]
-        self.final = (self._typed("summary.json", Evidence.from_json, self.summary["final"])
+            gates = self._read_as(where, _list, self.summary.get("gates")) or []
+        self.gates = [self._read_as(where, Gate.from_record, g) for g in gates]
+        last_eval = evals[-1] if evals else {}
+        self.final = (self._read_as("summary.json", Evidence.from_json, self.summary["final"])
                       if self.summary.get("final") else
-                      self._typed("metrics.jsonl", Evidence.from_json, evals[-1] if evals else {}))
-        self.dpo = (self._typed("summary.json", DpoEvidence.from_json, self.summary["dpo"])
+                      self._read_as("metrics.jsonl", Evidence.from_json, last_eval))
+        self.dpo = (self._read_as("summary.json", DpoEvidence.from_json, self.summary["dpo"])
                     if self.summary.get("dpo") else None)
 
-    def _typed(self, name: str, make, value):
+    def _read_as(self, name: str, make, value):
         if value is None:
             return None
         try:
